@@ -1,0 +1,536 @@
+"""
+Paged attention kernels for nanoserve, in Triton, each next to a plain torch
+reference that computes the same thing.
+
+Serving keeps the keys and values of every running sequence in one pool of
+fixed-size blocks (the paged KV cache) instead of one long tensor per
+sequence, so memory is handed out block by block and never fragments. A
+sequence finds its tokens through its `block_table`, the list of block ids it
+owns in order. This file holds the three kernels that touch that pool:
+
+    store_kvcache            write this step's new K/V into their slots
+    paged_attention_decode   one query token per sequence (flash-decoding)
+    paged_attention_prefill  many query tokens per sequence, causal, varlen;
+                             also serves chunked prefill and decode rows
+
+Each kernel reads K/V straight from the pool through the block table (K/V are
+never gathered or repeated for grouped-query attention), and each wrapper only
+launches work sized from static shapes: no host sync, so the engine can
+capture a whole decode step in a CUDA graph.
+
+Left out on purpose: fp8 KV caches, sliding windows, ALiBi, logit soft-capping,
+head dims that are not a power of two.
+
+Checked against the references in this file (which are also the CPU path of
+the engine) by the kernel tests:
+
+    TRITON_INTERPRET=1 pytest -q test_nanoserve.py    # CPU, Triton interpreter
+    pytest -q test_nanoserve.py                       # GPU, bf16
+
+Dimension letters, used in every shape comment:
+    B           sequences in the batch
+    N_tok       new tokens of this step, all sequences flattened
+    n_heads     query heads; n_kv key/value heads; G = n_heads // n_kv
+    hd          head dim
+    num_blocks  blocks in the pool; block_size tokens per block
+    max_blocks  width of the block table (the longest sequence it can hold)
+    L           context length of one sequence (cached + new tokens)
+    T           new (query) tokens of one sequence
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------
+# Shared pieces
+# Invariants every kernel relies on, checked once at the boundary, and the
+# small torch helpers the references share.
+
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * LOG2E); exp2 is one GPU instruction
+
+
+def _is_pow2(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+def _dot_precision(dtype):
+    # fp32 inputs would otherwise go through TF32 tensor cores (10-bit mantissa),
+    # far from the 1e-5 agreement the fp32 tests ask for; for 16-bit inputs the
+    # setting has no effect: the dot is a tensor-core MMA with fp32 accumulation.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_cache(k_cache, v_cache):
+    assert k_cache.dim() == 4, "cache must be (num_blocks, block_size, n_kv, hd)"
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    block_size, hd = k_cache.shape[1], k_cache.shape[3]
+    assert _is_pow2(block_size), f"block_size {block_size} must be a power of two"
+    assert _is_pow2(hd) and hd >= 16, f"head dim {hd} must be a power of two >= 16"
+
+
+def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out):
+    _check_cache(k_cache, v_cache)
+    assert q.dim() == 3 and q.shape[2] == k_cache.shape[3], "q must be (rows, n_heads, hd)"
+    n_heads, n_kv = q.shape[1], k_cache.shape[2]
+    assert q.dtype == k_cache.dtype and q.device == k_cache.device
+    assert q.stride(2) == 1, "q rows may be strided views, but each head must be contiguous"
+    assert n_heads % n_kv == 0, f"{n_heads} query heads do not group over {n_kv} kv heads"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2
+    assert block_tables.stride(1) == 1
+    assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+    assert block_tables.shape[0] == context_lens.shape[0]
+    if out is not None:
+        assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+
+
+def _gather_kv_ref(cache, block_table, L):
+    """The first L tokens of one sequence, gathered through its block table."""
+    num_blocks = -(-L // cache.shape[1])
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:L]  # (L, n_kv, hd)
+
+
+def _attend_ref(q, k, v, scale):
+    """Causal attention of the last T positions of a sequence over all its L keys.
+
+    q (T, n_heads, hd); k, v (L, n_kv, hd). Query j sits at position L - T + j,
+    so the causal diagonal is offset by the L - T cached tokens. Computed in fp32.
+    """
+    T, L = q.shape[0], k.shape[0]
+    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # (heads, T or L, hd)
+    # torch's is_causal puts the diagonal top-left, right only without a cached prefix.
+    is_causal = T == L
+    mask = None
+    if not is_causal and T > 1:
+        q_pos = torch.arange(L - T, L, device=q.device)  # (T,)
+        mask = torch.arange(L, device=q.device) <= q_pos[:, None]  # (T, L)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                       scale=scale, enable_gqa=True)  # (n_heads, T, hd)
+    return o.transpose(0, 1)  # (T, n_heads, hd)
+
+
+# ----------------------------------------------------------------------------
+# store_kvcache
+# Each step's new keys and values go into the pool before attention runs, at
+# the slots the scheduler chose. slot_mapping[t] = block_id * block_size +
+# offset in block, or -1 for a padding token of a CUDA-graph batch.
+
+@triton.jit
+def _store_kvcache_kernel(
+    k_ptr,             # (N_tok, n_kv, hd) new keys, rows may be strided
+    v_ptr,             # (N_tok, n_kv, hd) new values, rows may be strided
+    k_cache_ptr,       # (num_blocks, block_size, n_kv, hd) contiguous key pool
+    v_cache_ptr,       # (num_blocks, block_size, n_kv, hd) contiguous value pool
+    slot_mapping_ptr,  # (N_tok,) int64 destination slot of each token, -1 = skip
+    n_kv,              # kv heads per token
+    stride_kt,         # k stride between tokens
+    stride_kh,         # k stride between heads
+    stride_vt,         # v stride between tokens
+    stride_vh,         # v stride between heads
+    N_KV_PAD: tl.constexpr,  # n_kv rounded up to a power of two (tile height)
+    HEAD_DIM: tl.constexpr,  # hd
+):
+    """One program copies the (n_kv, hd) keys and values of one token.
+
+    A slot of the contiguous pool is n_kv * hd elements, so the destination is
+    slot * n_kv * hd. Memory traffic: 2 * N_tok * n_kv * hd reads and writes.
+    """
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)  # int64: slot * n_kv * hd can pass 2**31
+    if slot < 0:  # padding token: its slot belongs to nobody
+        return
+    offs_h = tl.arange(0, N_KV_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < n_kv)[:, None]
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    # (N_KV_PAD, HEAD_DIM) destinations in the pool
+    offs_cache = slot * n_kv * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(k_cache_ptr + offs_cache, k, mask=mask)
+    tl.store(v_cache_ptr + offs_cache, v, mask=mask)
+
+
+def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping):
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]  # (num_blocks * block_size, n_kv, hd)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+
+
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
+    _check_cache(k_cache, v_cache)
+    N_tok, n_kv, hd = k.shape
+    assert v.shape == k.shape and k_cache.shape[2:] == (n_kv, hd)
+    assert k.dtype == v.dtype == k_cache.dtype
+    assert k.stride(2) == 1 and v.stride(2) == 1, "each head of k and v must be contiguous"
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (N_tok,)
+    assert slot_mapping.is_contiguous()
+    if N_tok == 0:
+        return
+    _store_kvcache_kernel[(N_tok,)](
+        k, v, k_cache, v_cache, slot_mapping, n_kv,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        N_KV_PAD=triton.next_power_of_2(n_kv), HEAD_DIM=hd,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Decode: flash-decoding over the paged cache
+# One query token per sequence: too little work per sequence to fill a GPU,
+# so each sequence's context is split into chunks handled by separate programs,
+# whose partial softmax results a second kernel merges.
+
+DECODE_BLOCK_N = 64     # context tokens per KV tile
+DECODE_MAX_SPLITS = 64  # cap on programs per (sequence, kv head)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,              # (B, n_heads, hd) one query per sequence
+    k_cache_ptr,        # (num_blocks, block_size, n_kv, hd) key pool
+    v_cache_ptr,        # (num_blocks, block_size, n_kv, hd) value pool
+    block_tables_ptr,   # (B, max_blocks) int32 block ids of each sequence
+    context_lens_ptr,   # (B,) int32 tokens in the cache, the new one included
+    part_out_ptr,       # (B, n_heads, NUM_SPLITS, hd) fp32 output of each split, normalized
+    part_lse_ptr,       # (B, n_heads, NUM_SPLITS) fp32 base-2 log-sum-exp of each split
+    qk_scale,           # softmax scale * LOG2E, so the softmax runs in base 2
+    num_heads,          # n_heads
+    stride_qb,          # q stride between sequences
+    stride_qh,          # q stride between heads
+    stride_bt,          # block_tables stride between sequences
+    stride_cb,          # cache stride between blocks
+    stride_ct,          # cache stride between tokens of a block
+    stride_ch,          # cache stride between kv heads
+    G: tl.constexpr,           # query heads per kv head
+    G_PAD: tl.constexpr,       # G rounded up to a power of two >= 16 (rows of the tl.dot)
+    HEAD_DIM: tl.constexpr,    # hd
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,     # tokens per KV tile
+    NUM_SPLITS: tl.constexpr,  # splits per sequence (power of two)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the tensor-core default
+):
+    """Program (b, kv head, split) attends the G query heads of one kv head to
+    one contiguous chunk of sequence b's context.
+
+    Online softmax over KV tiles: keep a running max m, running sum l and
+    unnormalized output acc per query head; for each tile of BLOCK_N tokens
+    (each located in the pool through the block table),
+        s = q k^T * scale;  m' = max(m, rowmax s);  p = exp(s - m')
+        l = l * exp(m - m') + rowsum p;  acc = acc * exp(m - m') + p v
+    and finally write acc / l and the split's log-sum-exp m + log l.
+
+    GQA: the G query heads sharing a kv head form the rows of one (G_PAD, hd)
+    tile, so each K/V tile is read once per group and both products are
+    tensor-core tl.dots; a lone query row would leave the tensor cores idle
+    and force a slower elementwise reduction, and the padding rows are free
+    because decode is bound by memory, not math.
+
+    Memory traffic: every K/V element of the context is read exactly once,
+    2 * L * n_kv * hd elements per sequence; the partials add only
+    NUM_SPLITS * n_heads * hd fp32 per sequence.
+    """
+    tl.static_assert(G_PAD >= G, "a group's query heads must fit in the tile")
+    tl.static_assert(G_PAD >= 16, "tl.dot needs at least 16 rows")
+    tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16, "tl.dot needs inner/outer dims >= 16")
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    L = tl.load(context_lens_ptr + b)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * G + offs_g  # (G_PAD,) query heads of this group
+    mask_g = offs_g < G
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None], other=0.0)  # (G_PAD, HEAD_DIM)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+
+    # This split's tiles: each sequence's own context is cut into NUM_SPLITS
+    # equal runs, so short and long sequences both spread over every split
+    # (the grid depends on no host-side length, which keeps it graph-safe).
+    # Past the end of a short context the range is empty and nothing is read.
+    num_tiles = tl.cdiv(L, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    for tile in range(tile_lo, tile_hi):
+        # -- find the tile's tokens in the pool --
+        offs_tok = tile * BLOCK_N + offs_n  # (BLOCK_N,) positions in the sequence
+        mask_n = offs_tok < L  # also keeps padding entries of the block table unread
+        block_ids = tl.load(block_tables_ptr + b * stride_bt + offs_tok // BLOCK_SIZE,
+                            mask=mask_n, other=0)
+        # int64: block_id * stride_cb overflows int32 in pools over 2**31 elements
+        offs_kv = (block_ids.to(tl.int64) * stride_cb + (offs_tok % BLOCK_SIZE) * stride_ct
+                   + kv_head * stride_ch)  # (BLOCK_N,)
+        # -- scores --
+        k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (G_PAD, BLOCK_N)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        # -- online softmax: rescale what came before to the new max --
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds >= 1 real token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- accumulate p v --
+        v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty split stores lse = -inf (m_i is still -inf) and zeros: weight 0 in the merge.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    offs_part = (b * num_heads + heads) * NUM_SPLITS + split  # (G_PAD,) rows of the partials
+    tl.store(part_lse_ptr + offs_part, m_i + tl.log2(l_safe), mask=mask_g)
+    tl.store(part_out_ptr + offs_part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+             mask=mask_g[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,  # (B, n_heads, NUM_SPLITS, hd) fp32 normalized output of each split
+    part_lse_ptr,  # (B, n_heads, NUM_SPLITS) fp32 base-2 log-sum-exp of each split
+    out_ptr,       # (B, n_heads, hd) result, in the dtype of q
+    num_heads,     # n_heads
+    stride_ob,     # out stride between sequences
+    stride_oh,     # out stride between heads
+    HEAD_DIM: tl.constexpr,    # hd
+    NUM_SPLITS: tl.constexpr,  # splits per sequence (power of two)
+):
+    """Program (b, head) merges the splits of one query head.
+
+    Split i saw a softmax over its own tokens with total mass 2**lse_i, so the
+    exact result is sum_i w_i out_i / sum_i w_i with w_i = 2**(lse_i - max lse).
+    Reads NUM_SPLITS * (hd + 1) fp32 values, writes hd.
+    """
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_part = (b * num_heads + head) * NUM_SPLITS + offs_s  # (NUM_SPLITS,)
+    lse = tl.load(part_lse_ptr + offs_part)
+    # (NUM_SPLITS, HEAD_DIM)
+    part = tl.load(part_out_ptr + offs_part[:, None] * HEAD_DIM + offs_d[None, :])
+    lse_max = tl.max(lse, 0)
+    # context_len 0 (a padding row): every split is empty; weights 0 give an output of 0.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # (NUM_SPLITS,)
+    w_sum = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * part, 0) / tl.where(w_sum > 0, w_sum, 1.0)  # (HEAD_DIM,)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device):
+    if device.type != "cuda":
+        return 8  # the interpreter: few programs, still enough to exercise splitting
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode_num_splits(B, n_kv, max_tiles, device):
+    """Splits per sequence, from static shapes only (no host sync, graph-safe).
+
+    Aim for two programs per SM, but never more splits than the widest context
+    the block table can hold has tiles. The kernel divides each sequence's
+    true length among the splits; a split past the end of a short context
+    returns at once. A power of two, to bound the number of compiled variants.
+    """
+    want = triton.cdiv(2 * _num_sms(device), B * n_kv)
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(max_tiles), DECODE_MAX_SPLITS)
+
+
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
+    out = torch.empty_like(q) if out is None else out
+    for b, L in enumerate(context_lens.tolist()):
+        if L == 0:  # padding row of a CUDA-graph batch
+            out[b] = 0
+            continue
+        k = _gather_kv_ref(k_cache, block_tables[b], L)
+        v = _gather_kv_ref(v_cache, block_tables[b], L)
+        out[b] = _attend_ref(q[b:b + 1], k, v, scale)[0]
+    return out
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
+    B, n_heads, hd = q.shape
+    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    assert B == context_lens.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if B == 0:
+        return out
+    G = n_heads // n_kv
+    max_tiles = triton.cdiv(block_tables.shape[1] * block_size, DECODE_BLOCK_N)
+    num_splits = _decode_num_splits(B, n_kv, max_tiles, q.device)
+    part_out = torch.empty(B, n_heads, num_splits, hd, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, n_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, n_kv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
+        scale * LOG2E, n_heads,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=hd, BLOCK_SIZE=block_size,
+        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+    )
+    _decode_reduce_kernel[(B, n_heads)](
+        part_out, part_lse, out, n_heads, out.stride(0), out.stride(1),
+        HEAD_DIM=hd, NUM_SPLITS=num_splits, num_warps=4,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Prefill: varlen causal flash-attention over the paged cache
+# The new tokens of many sequences arrive flattened in one (N_tok, ...) batch,
+# sequence b owning rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. Each may follow a
+# cached prefix (chunked prefill) or be a single decode token.
+
+PREFILL_BLOCK_M = 64  # rows (query token, head of the group) per program
+PREFILL_BLOCK_N = 64  # context tokens per KV tile
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,              # (N_tok, n_heads, hd) new queries of all sequences, rows may be strided
+    k_cache_ptr,        # (num_blocks, block_size, n_kv, hd) key pool, new keys already stored
+    v_cache_ptr,        # (num_blocks, block_size, n_kv, hd) value pool, new values already stored
+    out_ptr,            # (N_tok, n_heads, hd) result
+    block_tables_ptr,   # (B, max_blocks) int32 block ids of each sequence
+    cu_seqlens_q_ptr,   # (B + 1,) int32 first row of each sequence in q
+    context_lens_ptr,   # (B,) int32 tokens in the cache per sequence, new ones included
+    qk_scale,           # softmax scale * LOG2E, so the softmax runs in base 2
+    stride_qt,          # q stride between tokens
+    stride_qh,          # q stride between heads
+    stride_ot,          # out stride between tokens
+    stride_oh,          # out stride between heads
+    stride_bt,          # block_tables stride between sequences
+    stride_cb,          # cache stride between blocks
+    stride_ct,          # cache stride between tokens of a block
+    stride_ch,          # cache stride between kv heads
+    G: tl.constexpr,           # query heads per kv head
+    HEAD_DIM: tl.constexpr,    # hd
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_M: tl.constexpr,     # packed query rows per program
+    BLOCK_N: tl.constexpr,     # tokens per KV tile
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the tensor-core default
+):
+    """Program (tile, b, kv head) computes BLOCK_M query rows of sequence b.
+
+    GQA packing: the T new tokens times the G heads of one kv head form T * G
+    rows, row r being token r // G, head r % G; a program takes BLOCK_M
+    consecutive rows, so every K/V tile it loads serves G heads at once and no
+    row is wasted when G is not a power of two.
+
+    Causality: token j of sequence b sits at position L - T + j. Keys run from
+    0 up to the position of the tile's last token; tiles above the diagonal are
+    never loaded, and the one straddling it is masked per row. Online softmax
+    as in the decode kernel, in one pass since a tile already has BLOCK_M rows.
+
+    Memory traffic: Q and out once; each K/V element once per query tile that
+    reaches it, about (T * G / BLOCK_M) * L * n_kv * hd * 2 reads per sequence.
+    """
+    tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
+    tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16, "tl.dot needs inner/outer dims >= 16")
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    T = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= T * G:  # the grid is sized for the longest sequence
+        return
+    L = tl.load(context_lens_ptr + b)
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) packed rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_m = offs_m < T * G
+    tok = offs_m // G  # (BLOCK_M,) query token within the sequence
+    heads = kv_head * G + offs_m % G  # (BLOCK_M,) query head
+    q_pos = L - T + tok  # (BLOCK_M,) position of each row's token in the sequence
+    offs_q = (q_start + tok) * stride_qt + heads * stride_qh  # (BLOCK_M,)
+    q = tl.load(q_ptr + offs_q[:, None] + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # Causal skip: no row of this tile sees past its last real token.
+    last_tok = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+    kv_hi = L - T + last_tok + 1
+    for start_n in range(0, kv_hi, BLOCK_N):
+        # -- find the tile's tokens in the pool --
+        offs_tok = start_n + offs_n  # (BLOCK_N,) key positions
+        mask_n = offs_tok < kv_hi  # also keeps padding entries of the block table unread
+        block_ids = tl.load(block_tables_ptr + b * stride_bt + offs_tok // BLOCK_SIZE,
+                            mask=mask_n, other=0)
+        # int64: block_id * stride_cb overflows int32 in pools over 2**31 elements
+        offs_kv = (block_ids.to(tl.int64) * stride_cb + (offs_tok % BLOCK_SIZE) * stride_ct
+                   + kv_head * stride_ch)  # (BLOCK_N,)
+        # -- scores, causally masked --
+        k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        # Key 0 is visible to every row (q_pos >= 0), so after the first tile
+        # m_i is finite and fully masked rows in later tiles stay NaN-free.
+        visible = (offs_tok[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # -- online softmax: rescale what came before to the new max --
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- accumulate p v --
+        v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    offs_out = (q_start + tok) * stride_ot + heads * stride_oh  # (BLOCK_M,)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + offs_out[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None])
+
+
+def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                max_seqlen_q, scale, out=None):
+    out = torch.empty_like(q) if out is None else out
+    cu = cu_seqlens_q.tolist()
+    for b, L in enumerate(context_lens.tolist()):
+        if cu[b + 1] == cu[b]:
+            continue
+        k = _gather_kv_ref(k_cache, block_tables[b], L)
+        v = _gather_kv_ref(v_cache, block_tables[b], L)
+        out[cu[b]:cu[b + 1]] = _attend_ref(q[cu[b]:cu[b + 1]], k, v, scale)
+    return out
+
+
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                            max_seqlen_q, scale, out=None):
+    """max_seqlen_q must be >= every sequence's T: it sizes the grid, and rows
+    beyond it are silently not computed (checking would need a host sync)."""
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
+    N_tok, n_heads, hd = q.shape
+    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    B = context_lens.shape[0]
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (B + 1,)
+    assert cu_seqlens_q.is_contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if N_tok == 0 or B == 0 or max_seqlen_q == 0:
+        return out
+    G = n_heads // n_kv
+    grid = (triton.cdiv(max_seqlen_q * G, PREFILL_BLOCK_M), B, n_kv)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        G=G, HEAD_DIM=hd, BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out
