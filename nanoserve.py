@@ -1,0 +1,1245 @@
+"""nanoserve: a whole LLM inference engine in one file.
+
+This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big
+engines do, small enough to read in an afternoon: a paged KV cache with a
+block allocator and prefix caching, a continuous-batching scheduler that
+mixes chunked prefills and decodes in one step, batched sampling, CUDA graphs
+for decode, and an OpenAI-compatible HTTP server with SSE streaming. The
+paged-attention kernels live next door in paged_attention.py.
+
+Left out on purpose: tensor parallelism, quantization, speculative decoding,
+LoRA, beam search, multimodal inputs and every model family but Llama.
+
+Run it:
+    python download.py                                  # SmolLM2-135M-Instruct
+    python nanoserve.py generate "The capital of France is" --temperature 0
+    python nanoserve.py serve --port 8000               # OpenAI API on 127.0.0.1
+    pytest -q test_nanoserve.py                         # checked against transformers
+
+Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
+decoding token for token), and the kernels against their torch references.
+
+Read it top to bottom: config -> loader -> layers -> model -> sampler ->
+block allocator -> scheduler -> engine -> server -> CLI. A request enters at
+the HTTP handler or LLM.generate, becomes a Sequence, is scheduled step by
+step into a flat batch, runs through Model.forward (attention reads the paged
+cache through paged_attention.py), is sampled, and leaves as text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import paged_attention as pa
+
+# Dimension letters used in every shape comment:
+#   B        sequences in a step (or rows of a padded CUDA-graph batch)
+#   T        tokens of one sequence
+#   N_tok    tokens of a step, all sequences flattened (prefill chunks + decodes)
+#   D        hidden size;  I  MLP intermediate size;  V  vocabulary size
+#   n_heads  query heads;  n_kv  key/value heads;  hd  head dim
+#   num_blocks, block_size   the paged KV pool: block_size tokens per block
+
+REPO_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL = str(REPO_DIR / "weights" / "SmolLM2-135M-Instruct")
+
+
+# ---------------------------------------------------------------------------
+# Config
+# One dataclass holds every setting. The engine settings come from the caller
+# (and become CLI flags); the architecture fields are read from the model's
+# config.json in __post_init__, so a Config is always complete and checked.
+
+def _flag(help: str, **kw):
+    """A field that becomes a CLI flag (see add_dataclass_flags)."""
+    return field(metadata={"help": help, **kw.pop("meta", {})}, **kw)
+
+
+@dataclass
+class Config:
+    # -- engine settings: each one is a CLI flag --
+    model: str = _flag("model folder with config.json, *.safetensors, tokenizer.json",
+                       default=DEFAULT_MODEL)
+    device: str = _flag("cuda or cpu (auto: cuda when there is one)", default="auto")
+    dtype: str = _flag("float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)",
+                       default="auto")
+    attention: str = _flag("paged-attention implementation: triton or torch "
+                           "(auto: triton on cuda)", default="auto")
+    block_size: int = _flag("tokens per KV-cache block (a power of two)", default=16)
+    num_blocks: int = _flag("KV blocks in the pool (0: sized from memory)", default=0)
+    gpu_memory_utilization: float = _flag(
+        "fraction of GPU memory the engine may use (weights + KV pool)", default=0.90)
+    cpu_kv_cache_gb: float = _flag("KV pool size in GB on cpu", default=1.0)
+    max_num_seqs: int = _flag("most sequences in one step", default=256)
+    max_num_batched_tokens: int = _flag("token budget of one step (prefill chunks + decodes)",
+                                        default=8192)
+    max_model_len: int = _flag("longest prompt + completion (0: the model's limit)",
+                               default=0)
+    enable_prefix_caching: bool = _flag("reuse KV blocks of prompts seen before",
+                                        default=True, meta={"flag": "--no-prefix-caching"})
+    enforce_eager: bool = _flag("no CUDA graphs (they are only used on cuda)", default=False)
+    # -- server settings --
+    host: str = _flag("address the server binds to", default="127.0.0.1")
+    port: int = _flag("port the server listens on", default=8000)
+    api_key: Optional[str] = _flag("require 'Authorization: Bearer KEY' "
+                                   "(default: $NANOSERVE_API_KEY)", default=None)
+
+    # -- architecture, read from config.json (never flags) --
+    vocab_size: int = field(init=False, default=0)
+    hidden_size: int = field(init=False, default=0)            # D
+    intermediate_size: int = field(init=False, default=0)      # I
+    num_layers: int = field(init=False, default=0)
+    num_heads: int = field(init=False, default=0)              # n_heads
+    num_kv_heads: int = field(init=False, default=0)           # n_kv, < n_heads for GQA
+    head_dim: int = field(init=False, default=0)               # hd
+    rms_norm_eps: float = field(init=False, default=1e-5)
+    rope_theta: float = field(init=False, default=10000.0)
+    rope_scaling: Optional[dict] = field(init=False, default=None)  # llama3 keys or None
+    tie_word_embeddings: bool = field(init=False, default=False)    # lm_head = embed_tokens
+    eos_token_ids: list = field(init=False, default_factory=list)   # any of them ends a sequence
+
+    def __post_init__(self):
+        path = Path(self.model)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model path {self.model!r} does not exist or has no config.json "
+                             f"(run `python download.py` for the default model)")
+        self._read_model_config(json.loads((path / "config.json").read_text()))
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.attention == "auto":
+            self.attention = "triton" if self.device.startswith("cuda") else "torch"
+        if self.api_key is None:
+            self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
+        self._check()
+
+    def _read_model_config(self, c: dict):
+        if c.get("model_type", "llama") != "llama":
+            raise ValueError(f"model_type {c.get('model_type')!r} is not supported (Llama only)")
+        self.vocab_size, self.hidden_size = c["vocab_size"], c["hidden_size"]
+        self.intermediate_size, self.num_layers = c["intermediate_size"], c["num_hidden_layers"]
+        self.num_heads = c["num_attention_heads"]
+        self.num_kv_heads = c.get("num_key_value_heads") or self.num_heads
+        self.head_dim = c.get("head_dim") or self.hidden_size // self.num_heads
+        self.rms_norm_eps = c.get("rms_norm_eps", 1e-5)
+        # transformers >= 5 writes "rope_parameters"; older checkpoints (the hub's
+        # Llama-3.2) write "rope_theta" and "rope_scaling" separately.
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        self.rope_theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope type {rope_type!r} is not supported (default or llama3)")
+        self.rope_scaling = rope if rope_type == "llama3" else None
+        self.tie_word_embeddings = c.get("tie_word_embeddings", False)
+        limit = c.get("max_position_embeddings", 2048)
+        self.max_model_len = min(self.max_model_len or limit, limit)
+        eos = c.get("eos_token_id")
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+
+    def _check(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs, "
+                             "so that every running sequence can decode in one step")
+        if self.attention not in ("torch", "triton"):
+            raise ValueError(f"attention must be torch or triton, got {self.attention!r}")
+        if self.attention == "triton" and not self.device.startswith("cuda") \
+                and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Loader
+# Checkpoints use Hugging Face names. The engine fuses q/k/v into one matmul
+# and gate/up into another, so an explicit map says where each checkpoint
+# tensor lands: (engine parameter, row slice of it).
+
+def weight_name_map(cfg: Config) -> dict[str, tuple[str, slice]]:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    i, every = cfg.intermediate_size, slice(None)
+    names = {"model.embed_tokens.weight": ("embed_tokens.weight", every),
+             "model.norm.weight": ("norm.weight", every)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = ("lm_head.weight", every)
+    for n in range(cfg.num_layers):
+        hf, me = f"model.layers.{n}.", f"layers.{n}."
+        names.update({
+            hf + "self_attn.q_proj.weight": (me + "attn.qkv_proj.weight", slice(0, q)),
+            hf + "self_attn.k_proj.weight": (me + "attn.qkv_proj.weight", slice(q, q + kv)),
+            hf + "self_attn.v_proj.weight": (me + "attn.qkv_proj.weight", slice(q + kv, q + 2 * kv)),
+            hf + "self_attn.o_proj.weight": (me + "attn.o_proj.weight", every),
+            hf + "mlp.gate_proj.weight": (me + "mlp.gate_up_proj.weight", slice(0, i)),
+            hf + "mlp.up_proj.weight": (me + "mlp.gate_up_proj.weight", slice(i, 2 * i)),
+            hf + "mlp.down_proj.weight": (me + "mlp.down_proj.weight", every),
+            hf + "input_layernorm.weight": (me + "input_layernorm.weight", every),
+            hf + "post_attention_layernorm.weight": (me + "post_attention_layernorm.weight", every),
+        })
+    return names
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, cfg: Config):
+    """Copy every checkpoint tensor into its slice; fail on anything missing or extra."""
+    from safetensors import safe_open
+
+    files = sorted(Path(cfg.model).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors file in {cfg.model!r}")
+    names, params = weight_name_map(cfg), dict(model.named_parameters())
+    num_rows_loaded = {name: 0 for name in params}
+    num_done, num_total = 0, len(names)
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in names:
+                    if "rotary_emb" in key or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+                        continue  # derived from the config / tied to the embedding
+                    raise ValueError(f"unexpected tensor {key!r} in {path.name}")
+                target, rows = names[key]
+                tensor = f.get_tensor(key)
+                params[target].data[rows].copy_(tensor)  # copy_ casts to the engine dtype
+                num_rows_loaded[target] += tensor.shape[0]
+                num_done += 1
+                _progress(f"loading weights {num_done}/{num_total}")
+    _progress(f"loaded {num_done} tensors from {len(files)} file(s)", end=True)
+    missing = [n for n, p in params.items() if num_rows_loaded[n] != p.shape[0]]
+    if missing:
+        raise ValueError(f"checkpoint is missing {missing[:3]}{'...' if len(missing) > 3 else ''}")
+
+
+def _progress(msg: str, end: bool = False):
+    """One updating status line on stderr (a plain line when not a terminal)."""
+    if sys.stderr.isatty():
+        print(f"\r{msg}", end="\n" if end else "", file=sys.stderr, flush=True)
+    elif end:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Layers
+# RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention
+# over the paged cache, and the SwiGLU MLP. Every layer works on a flat batch
+# of tokens (N_tok, D): sequence boundaries live only in AttentionMetadata.
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):                                      # (N_tok, D)
+        # Normalize in fp32 and cast back before the weight, as transformers
+        # does, so bf16 results round the same way.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: Config) -> torch.Tensor:
+    """Rotation frequency of each channel pair, with llama3 scaling if configured."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.float()                                # (hd/2,)
+    # Llama 3 stretches long wavelengths by `factor`, keeps short ones, and
+    # blends smoothly between the two bands, so that a model trained on
+    # original_max_position_embeddings tokens extrapolates to longer contexts.
+    old_len, factor = s["original_max_position_embeddings"], s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled).float()        # (hd/2,)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their position; cos/sin tables are precomputed."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        t = torch.arange(cfg.max_model_len, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(cfg))             # (max_model_len, hd/2)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions, q, k):      # (N_tok,), (N_tok, n_heads, hd), (N_tok, n_kv, hd)
+        cos = self.cos[positions].unsqueeze(1)                 # (N_tok, 1, hd/2)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    # The "rotate half" layout of transformers: channel i pairs with i + hd/2.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence of a step lives in the flat batch and in the KV pool.
+
+    block_table: the pool blocks that hold one sequence's KV, in order.
+    slot_mapping: for each new token, the pool slot its K/V is written to
+    (block_id * block_size + offset); -1 marks a padding token.
+    """
+    slot_mapping: torch.Tensor        # (N_tok,) int64
+    block_tables: torch.Tensor        # (B, max_blocks) int32
+    context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
+    cu_seqlens_q: Optional[torch.Tensor]  # (B+1,) int32, start of each sequence in N_tok
+    max_seqlen_q: int                 # longest run of new tokens of one sequence
+    is_decode: bool                   # every sequence brings exactly one new token
+
+
+# The two attention implementations, with identical signatures: the Triton
+# kernels read the paged cache directly; the torch references gather it.
+ATTENTION_OPS = {
+    "triton": (pa.store_kvcache, pa.paged_attention_prefill, pa.paged_attention_decode),
+    "torch": (pa.store_kvcache_ref, pa.paged_attention_prefill_ref,
+              pa.paged_attention_decode_ref),
+}
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_heads query heads share n_kv K/V heads."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.scale = self.hd ** -0.5
+        self.store, self.prefill, self.decode = ATTENTION_OPS[cfg.attention]
+        # This layer's slice of the KV pool, set by ModelRunner.allocate_kv_cache.
+        self.k_cache = self.v_cache = None    # (num_blocks, block_size, n_kv, hd)
+
+    def forward(self, x, positions, rope, meta: AttentionMetadata):  # (N_tok, D)
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q, k = rope(positions, q.view(n, self.n_heads, self.hd), k.view(n, self.n_kv, self.hd))
+        v = v.view(n, self.n_kv, self.hd)                      # (N_tok, n_kv, hd)
+        # Write this step's K/V into the pool first: attention then reads every
+        # key, old and new, from one place.
+        self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            o = self.decode(q, self.k_cache, self.v_cache, meta.block_tables,
+                            meta.context_lens, self.scale)
+        else:
+            o = self.prefill(q, self.k_cache, self.v_cache, meta.block_tables,
+                             meta.cu_seqlens_q, meta.context_lens, meta.max_seqlen_q,
+                             self.scale)
+        return self.o_proj(o.reshape(n, self.n_heads * self.hd))  # (N_tok, D)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):                                      # (N_tok, D)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)       # (N_tok, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, meta):               # (N_tok, D)
+        x = x + self.attn(self.input_layernorm(x), positions, rope, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------
+# Model
+# Embedding -> decoder layers -> final norm. forward() returns hidden states
+# for every token of the step; compute_logits() runs the LM head only on the
+# rows that are sampled (the last token of each sequence).
+
+class Model(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata):  # (N_tok,), (N_tok,)
+        x = self.embed_tokens(input_ids)                       # (N_tok, D)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, meta)
+        return self.norm(x)                                    # (N_tok, D)
+
+    def compute_logits(self, hidden):                          # (B, D)
+        w = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, w).float()                     # (B, V)
+
+
+def build_model(cfg: Config) -> Model:
+    """Allocate the model on its device without a throwaway random init, then load."""
+    with torch.device("meta"):
+        model = Model(cfg)
+    model = model.to(cfg.torch_dtype).to_empty(device=cfg.device)
+    model.rope = RotaryEmbedding(cfg).to(cfg.device)           # buffers were meta; recompute
+    load_weights(model, cfg)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------
+# Sampler
+# Greedy, temperature, top-k and top-p for the whole batch in one pass. Each
+# row carries its own settings, so one request's choices never change
+# another's; a seeded row draws its noise from its own generator.
+
+@dataclass
+class SamplingParams:
+    temperature: float = _flag("0 is greedy; higher is more random", default=1.0)
+    top_p: float = _flag("sample from the smallest top set with this much mass", default=1.0)
+    top_k: int = _flag("sample from the k likeliest tokens (-1: all)", default=-1)
+    max_tokens: int = _flag("most tokens to generate", default=16)
+    stop: Optional[list] = _flag("a string that ends the text, not included (repeatable)",
+                                 default=None)
+    stop_token_ids: Optional[list] = None  # token ids that end the sequence
+    ignore_eos: bool = _flag("keep generating past the end-of-sequence token", default=False)
+    seed: Optional[int] = _flag("same seed, same text, whatever else is in the batch",
+                                default=None)
+    logprobs: Optional[int] = None    # also return this many top log-probs per token
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop, self.stop_token_ids = list(self.stop or []), list(self.stop_token_ids or [])
+
+    def validate(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+
+@dataclass
+class SamplingBatch:
+    """The per-row settings of one step, as device tensors, plus host-side flags
+    that let the sampler skip work nobody asked for."""
+    temperatures: torch.Tensor        # (B,) float, 0 for greedy rows
+    top_ks: torch.Tensor              # (B,) int, V where top-k is off
+    top_ps: torch.Tensor              # (B,) float
+    generators: list                  # (row, torch.Generator) for seeded rows
+    all_greedy: bool
+    needs_top_k_top_p: bool
+    max_logprobs: int                 # 0 when no row wants log-probs
+
+
+def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
+    """Set every logit outside a row's top-k and top-p set to -inf."""
+    sorted_logits, order = logits.sort(dim=-1)                 # ascending, (B, V)
+    V = logits.shape[-1]
+    # top-k by position in the sorted row, so exactly k survive even with ties
+    cut = torch.arange(V, device=logits.device) < (V - top_ks).unsqueeze(1)
+    sorted_logits.masked_fill_(cut, -float("inf"))
+    # top-p: drop a token when it and all smaller ones hold <= 1 - p of the
+    # mass; the largest token always stays.
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    cut = cum <= (1 - top_ps).unsqueeze(1)
+    cut[:, -1] = False
+    sorted_logits.masked_fill_(cut, -float("inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V) float32
+    """Return the sampled token ids (B,) and, if asked, their log-probs."""
+    tokens = logits.argmax(dim=-1)
+    if not batch.all_greedy:
+        t = batch.temperatures.unsqueeze(1)
+        scaled = logits / torch.where(t > 0, t, 1.0)
+        if batch.needs_top_k_top_p:
+            scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+        probs = scaled.softmax(dim=-1)
+        # Exponential race ("sample without a CUDA sync"): argmax(p / E) with
+        # E ~ Exp(1) is a draw from p, and unlike torch.multinomial it needs
+        # no host round trip and takes a per-row generator.
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in batch.generators:
+            noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(batch.temperatures > 0, sampled, tokens)
+    if not batch.max_logprobs:
+        return tokens, None
+    # Log-probs of the model's own distribution (before temperature/top-p),
+    # the way the OpenAI API reports them.
+    logp = logits.log_softmax(dim=-1)
+    top = logp.topk(batch.max_logprobs, dim=-1)
+    return tokens, (logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
+
+
+# ---------------------------------------------------------------------------
+# Block allocator
+# The KV pool is cut into blocks of block_size tokens. A block is shared by
+# every sequence whose prefix it holds, so it carries a reference count; a
+# full block is also named by a hash of its whole prefix (prefix caching), and
+# when its last user leaves it stays findable until the pool needs it back.
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[Optional[int]] = [None] * num_blocks
+        self.free_block_ids = deque(range(num_blocks))   # ref 0, nothing cached in them
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached; LRU first
+        self.cached_blocks: dict[int, int] = {}          # prefix hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids) + len(self.evictable)
+
+    def allocate(self) -> int:
+        if self.free_block_ids:
+            block = self.free_block_ids.popleft()
+        else:  # evict the least recently used cached block
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached_blocks[self.block_hashes[block]]
+            self.block_hashes[block] = None
+        assert self.ref_counts[block] == 0, f"block {block} allocated while in use"
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, block: int):
+        assert self.ref_counts[block] > 0, f"block {block} freed twice"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.block_hashes[block] is None:
+                self.free_block_ids.append(block)
+            else:
+                self.evictable[block] = None             # most recently used goes last
+
+    def lookup(self, prefix_hash: int) -> Optional[int]:
+        return self.cached_blocks.get(prefix_hash)
+
+    def share(self, block: int):
+        """Take one more reference to a cached block (revive it if evictable)."""
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
+
+    def cache(self, block: int, prefix_hash: int):
+        """Name a full block by its prefix hash; the first block with a name keeps it."""
+        if self.block_hashes[block] is None and prefix_hash not in self.cached_blocks:
+            self.block_hashes[block] = prefix_hash
+            self.cached_blocks[prefix_hash] = block
+
+
+def prefix_hash(parent: Optional[int], token_ids) -> int:
+    """Name a full block by its tokens and, through the parent's hash, everything
+    before it. Python's tuple hash of ints is deterministic across runs."""
+    return hash((parent, tuple(token_ids)))
+
+
+# ---------------------------------------------------------------------------
+# Scheduler
+# Every step the scheduler decides which sequences run and how many of their
+# tokens: running sequences first (a decode is one token, an unfinished
+# prefill a chunk of the token budget), then waiting ones are admitted. When
+# the pool runs dry, the most recently admitted sequence is preempted: its
+# blocks are freed and it is recomputed from its tokens later.
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request as the engine sees it: tokens, cache blocks and progress."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams,
+                 stream: bool = False):
+        self.request_id, self.params = request_id, params
+        self.token_ids = list(prompt_token_ids)        # prompt + output so far
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0     # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
+        self.status, self.finish_reason = Status.WAITING, None
+        self.generator = None            # per-request RNG when params.seed is set
+        self.logprobs: list = []         # per output token: (logprob, {token: logprob})
+        # text: decoded incrementally only when streaming or watching stop strings
+        self.stream = stream or bool(params.stop)
+        self.text, self.num_sent_chars = "", 0
+        self.prefix_offset = self.read_offset = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time = self.finish_time = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step runs: each sequence with its number of new tokens."""
+    seqs: list
+    num_new_tokens: list
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, cfg: Config, allocator: BlockAllocator):
+        self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []      # in admission order
+        self.num_preemptions = 0
+        self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
+        num_preemptions_before = self.num_preemptions
+        # -- running sequences: decodes and unfinished prefill chunks --
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING or budget == 0:
+                continue                       # preempted below, or no budget left
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._reserve_blocks(seq, n):
+                batch.seqs.append(seq), batch.num_new_tokens.append(n)
+                budget -= n
+        # -- admit waiting sequences while budget, seats and blocks allow --
+        # (not in a step that had to preempt: the pool is already too full)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
+                and self.num_preemptions == num_preemptions_before:
+            seq = self.waiting[0]
+            self._reuse_cached_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._num_blocks_needed(seq, n) > self.allocator.num_free_blocks:
+                self._free_blocks(seq)         # give back the shared prefix; retry later
+                break
+            self._reserve_blocks(seq, n)
+            self.waiting.popleft()
+            self._count_prefix_hits(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq), batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _num_blocks_needed(self, seq: Sequence, n: int) -> int:
+        total = -(-(seq.num_computed_tokens + n) // self.block_size)  # ceil
+        return max(0, total - len(seq.block_table))
+
+    def _reserve_blocks(self, seq: Sequence, n: int) -> bool:
+        """Give seq blocks for n more tokens, preempting from the back of the
+        running queue as needed. False if seq itself had to be preempted."""
+        needed = self._num_blocks_needed(seq, n)
+        while needed > self.allocator.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self.allocator.allocate() for _ in range(needed))
+        return True
+
+    def _preempt(self, seq: Sequence):
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue first."""
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _free_blocks(self, seq: Sequence):
+        # Tail blocks first, so that their (less shared) prefixes are evicted
+        # before the heads that other prompts are likelier to reuse.
+        for block in reversed(seq.block_table):
+            self.allocator.free(block)
+        seq.block_table, seq.num_computed_tokens = [], 0
+
+    # -- prefix caching --
+
+    def _reuse_cached_prefix(self, seq: Sequence):
+        """Point seq at the cached blocks of its longest cached prefix."""
+        if not self.cfg.enable_prefix_caching:
+            return
+        self._hash_full_blocks(seq)
+        # Leave the last token out: it must be computed to produce logits, and
+        # its K/V must never be written into a block that others share.
+        num_reusable = (seq.num_tokens - 1) // self.block_size
+        for h in seq.block_hashes[:num_reusable]:
+            block = self.allocator.lookup(h)
+            if block is None:
+                break
+            self.allocator.share(block)
+            seq.block_table.append(block)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+
+    def _count_prefix_hits(self, seq: Sequence):
+        self.num_cached_tokens += seq.num_computed_tokens
+        self.num_prompt_tokens += seq.num_tokens
+        if seq.num_tokens == seq.num_prompt_tokens:    # not a recompute after preemption
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _hash_full_blocks(self, seq: Sequence):
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(prefix_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def cache_computed_blocks(self, seq: Sequence):
+        """After a step, name the blocks that have just become full."""
+        if not self.cfg.enable_prefix_caching:
+            return
+        self._hash_full_blocks(seq)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for block, h in zip(seq.block_table[:num_full], seq.block_hashes[:num_full]):
+            self.allocator.cache(block, h)
+
+    def finish(self, seq: Sequence, reason: str):
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free_blocks(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.finish_time = time.perf_counter()
+
+
+# ---------------------------------------------------------------------------
+# Model runner
+# Turns a scheduled batch into flat tensors, runs the model and samples. On
+# CUDA, decode steps replay a CUDA graph captured for the next larger batch
+# size, which removes the per-kernel launch cost that dominates small steps.
+
+class ModelRunner:
+    def __init__(self, cfg: Config):
+        self.cfg, self.device = cfg, torch.device(cfg.device)
+        self.use_cuda = self.device.type == "cuda"
+        self.model = build_model(cfg)
+        self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        self.num_blocks = self.allocate_kv_cache()
+        self.graphs: dict[int, tuple] = {}
+        if self.use_cuda and not cfg.enforce_eager:
+            self.capture_cuda_graphs()
+
+    # -- KV pool --
+
+    def _bind_kv_cache(self, num_blocks: int):
+        cfg = self.cfg
+        kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, cfg.num_kv_heads,
+                         cfg.head_dim, dtype=cfg.torch_dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.attn.k_cache, layer.attn.v_cache = kv[0, i], kv[1, i]  # (num_blocks, block_size, n_kv, hd)
+
+    def allocate_kv_cache(self) -> int:
+        cfg = self.cfg
+        block_bytes = (2 * cfg.num_layers * cfg.block_size * cfg.num_kv_heads * cfg.head_dim
+                       * cfg.torch_dtype.itemsize)
+        if cfg.num_blocks:
+            num_blocks = cfg.num_blocks
+        elif self.use_cuda:
+            # Run the largest possible step once, so the activations' peak is
+            # known; the KV pool gets what is left of the allowed fraction.
+            peak = self._profile_peak_bytes()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
+        else:
+            num_blocks = int(cfg.cpu_kv_cache_gb * 1e9 // block_bytes)
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens "
+                             "or raise gpu_memory_utilization")
+        self._bind_kv_cache(num_blocks)
+        return num_blocks
+
+    @torch.no_grad()
+    def _profile_peak_bytes(self) -> int:
+        cfg = self.cfg
+        n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        self._bind_kv_cache(-(-n // cfg.block_size))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        seq = Sequence("profile", [0] * n, SamplingParams())
+        seq.block_table = list(range(-(-n // cfg.block_size)))
+        self.execute(ScheduledBatch([seq], [n]))
+        # the sampler's peak grows with the batch: allow a full-vocab sort per row
+        sampler_bytes = 4 * cfg.max_num_seqs * cfg.vocab_size * 4
+        peak = torch.cuda.max_memory_allocated(self.device) + sampler_bytes
+        self._bind_kv_cache(0)
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- inputs --
+
+    def _to_device(self, data, dtype) -> torch.Tensor:
+        t = torch.as_tensor(np.asarray(data), dtype=dtype)
+        if not self.use_cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)  # no wait on the copy
+
+    def prepare(self, batch: ScheduledBatch):
+        """Flatten the batch: token ids, positions and attention metadata, plus
+        the rows whose logits are sampled (the last token of each sequence
+        that has no prompt tokens left to compute) and those sequences' indices."""
+        bs, input_ids, positions, slots = self.cfg.block_size, [], [], []
+        context_lens, cu_seqlens, sample_rows, sample_seqs = [], [0], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            context_lens.append(end)
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            if end == seq.num_tokens:
+                sample_rows.append(cu_seqlens[-1] - 1)
+                sample_seqs.append(i)
+        width = max(len(s.block_table) for s in batch.seqs)
+        block_tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
+        for i, seq in enumerate(batch.seqs):
+            block_tables[i, :len(seq.block_table)] = seq.block_table
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(block_tables, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            cu_seqlens_q=self._to_device(cu_seqlens, torch.int32),
+            max_seqlen_q=max(batch.num_new_tokens), is_decode=batch.is_decode)
+        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
+                meta, sample_rows, sample_seqs)
+
+    def sampling_batch(self, seqs: list) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        V = self.cfg.vocab_size
+        return SamplingBatch(
+            temperatures=self._to_device([p.temperature for p in params], torch.float32),
+            top_ks=self._to_device([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
+            top_ps=self._to_device([p.top_p for p in params], torch.float32),
+            generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
+            all_greedy=all(p.temperature == 0 for p in params),
+            needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            max_logprobs=max((p.logprobs or 0) for p in params))
+
+    # -- forward and sample --
+
+    @torch.no_grad()
+    def execute(self, batch: ScheduledBatch):
+        """Run one step; return the sampled sequences, their tokens and log-probs."""
+        input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(batch)
+        if meta.is_decode and len(batch.seqs) <= max(self.graphs, default=0):
+            hidden = self._replay_graph(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)     # (N_tok, D)
+        seqs = [batch.seqs[i] for i in sample_seqs]
+        if not seqs:
+            return [], [], None                 # only unfinished prefill chunks this step
+        if len(sample_rows) < hidden.shape[0]:   # skip the rows of prefill tokens
+            hidden = hidden.index_select(0, self._to_device(sample_rows, torch.int64))
+        logits = self.model.compute_logits(hidden)               # (B, V)
+        tokens, logprobs = sample(logits, self.sampling_batch(seqs))
+        # the one host-device sync of a step: the scheduler needs the tokens
+        return seqs, tokens.tolist(), _logprobs_to_host(logprobs)
+
+    # -- CUDA graphs --
+
+    @torch.no_grad()
+    def capture_cuda_graphs(self):
+        """Capture the decode forward for batch sizes 1, 2, 4, 8, 16, 32, ...;
+        a step pads its batch up to the next captured size."""
+        max_bs = self.cfg.max_num_seqs
+        sizes = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
+        dev = self.device
+        self.graph_inputs = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32,
+                                     device=dev))
+        pool = None
+        for bs in reversed(sizes):     # largest first, so smaller ones reuse its memory
+            g = self.graph_inputs
+            meta = AttentionMetadata(g["slot_mapping"][:bs], g["block_tables"][:bs],
+                                     g["context_lens"][:bs], None, 1, True)
+            self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm-up: compiles kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, hidden)
+            _progress(f"captured CUDA graphs {len(self.graphs)}/{len(sizes)}")
+        _progress(f"captured {len(sizes)} CUDA graphs", end=True)
+
+    def _replay_graph(self, input_ids, positions, meta: AttentionMetadata):
+        n = input_ids.shape[0]
+        bs = min(b for b in self.graphs if b >= n)
+        g, width = self.graph_inputs, meta.block_tables.shape[1]
+        g["input_ids"][:n].copy_(input_ids)
+        g["positions"][:n].copy_(positions)
+        g["slot_mapping"][:n].copy_(meta.slot_mapping)
+        g["slot_mapping"][n:bs].fill_(-1)           # padding rows write nothing...
+        g["context_lens"][:n].copy_(meta.context_lens)
+        g["context_lens"][n:bs].fill_(0)            # ...and read nothing
+        # Columns past `width` hold stale block ids, but the kernel never reads
+        # past a row's context_len.
+        g["block_tables"][:n, :width].copy_(meta.block_tables)
+        graph, hidden = self.graphs[bs]
+        graph.replay()
+        return hidden[:n]                                      # (N_tok, D)
+
+
+def _logprobs_to_host(logprobs):
+    if logprobs is None:
+        return None
+    chosen, top_values, top_ids = logprobs
+    return chosen.tolist(), top_values.tolist(), top_ids.tolist()
+
+
+# ---------------------------------------------------------------------------
+# Engine
+# The step loop: schedule, execute, then hand each sampled token to its
+# sequence (stop checks, incremental detokenization, freeing finished ones).
+# LLM wraps it in vLLM's offline API; the server drives it from a thread.
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list
+    token_ids: list                   # the completion only
+    text: str
+    finish_reason: Optional[str]      # "stop", "length" or "abort"
+    num_cached_tokens: int            # prompt tokens served by the prefix cache
+    logprobs: list                    # per token: (logprob, {token_id: logprob}) if asked
+    arrival_time: float               # time.perf_counter() values
+    first_token_time: Optional[float]
+    finish_time: Optional[float]
+
+
+def load_tokenizer(model_dir: str):
+    """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
+    from tokenizers import Tokenizer
+    path = Path(model_dir)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json")) \
+        if (path / "tokenizer.json").is_file() else None
+    conf = path / "tokenizer_config.json"
+    return tok, (json.loads(conf.read_text()) if conf.is_file() else {})
+
+
+class LLMEngine:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.tokenizer, self.tokenizer_config = load_tokenizer(cfg.model)
+        self.runner = ModelRunner(cfg)
+        self.allocator = BlockAllocator(self.runner.num_blocks)
+        self.scheduler = Scheduler(cfg, self.allocator)
+        self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
+        self.num_generated_tokens = 0
+
+    # -- requests in --
+
+    def encode(self, prompt) -> list:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.cfg.model} has no tokenizer.json: pass token ids")
+            return self.tokenizer.encode(prompt).ids
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of token ids")
+        return list(prompt)
+
+    def validate(self, prompt_ids: list, params: SamplingParams):
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.cfg.max_model_len:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
+                             f"({params.max_tokens}) is {total} tokens, more than the "
+                             f"context window of {self.cfg.max_model_len}")
+        if -(-total // self.cfg.block_size) > self.allocator.num_blocks:
+            raise ValueError(f"{total} tokens do not fit in the KV cache "
+                             f"({self.allocator.num_blocks} blocks of {self.cfg.block_size})")
+
+    def add_request(self, prompt, params: SamplingParams, request_id: Optional[str] = None,
+                    stream: bool = False) -> Sequence:
+        """Queue a request (a string or token ids); it joins the batch next step."""
+        prompt_ids = self.encode(prompt)
+        self.validate(prompt_ids, params)
+        seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params, stream)
+        if params.seed is not None:
+            seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str):
+        """Stop a request now; its blocks go back to the pool."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --
+
+    def step(self) -> list:
+        """Run one iteration; return the sequences that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        seqs, tokens, logprobs = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        now = time.perf_counter()
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.token_ids.append(token)
+            seq.first_token_time = seq.first_token_time or now
+            if logprobs is not None and seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                seq.logprobs.append((logprobs[0][i],
+                                     dict(zip(logprobs[2][i][:k], logprobs[1][i][:k]))))
+            self._process_token(seq, token)
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self.scheduler.cache_computed_blocks(seq)
+        self.num_generated_tokens += len(seqs)
+        return seqs
+
+    def _process_token(self, seq: Sequence, token: int):
+        p, num_old_chars = seq.params, len(seq.text)
+        if seq.stream:
+            self._detokenize_incrementally(seq)
+        reason = None
+        if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif self._truncate_at_stop_string(seq, num_old_chars):
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.cache_computed_blocks(seq)    # before its blocks are freed
+            self.scheduler.finish(seq, reason)
+            self.seqs.pop(seq.request_id, None)
+            if not seq.stream and self.tokenizer is not None:
+                seq.text = self.decode(seq.output_token_ids)
+
+    # -- text out --
+
+    def decode(self, token_ids: list) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _detokenize_incrementally(self, seq: Sequence):
+        """Append the newly completed text. A window of a few tokens is decoded
+        twice (before and after the new token); text is only added once it no
+        longer ends in U+FFFD, so a multi-byte character split over several
+        tokens is never emitted half-made."""
+        if self.tokenizer is None:
+            return
+        ids = seq.output_token_ids
+        before = self.decode(ids[seq.prefix_offset:seq.read_offset])
+        after = self.decode(ids[seq.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            seq.text += after[len(before):]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    def _truncate_at_stop_string(self, seq: Sequence, num_old_chars: int) -> bool:
+        for stop in seq.params.stop:
+            # a new match must end inside the text added this step
+            idx = seq.text.find(stop, max(0, num_old_chars - len(stop) + 1))
+            if idx != -1:
+                seq.text = seq.text[:idx]
+                return True
+        return False
+
+    def take_new_text(self, seq: Sequence) -> str:
+        """The text a stream may send now: all of it once finished, otherwise
+        holding back a tail that could still grow into a stop string."""
+        hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
+        end = max(seq.num_sent_chars, len(seq.text) - hold)
+        new, seq.num_sent_chars = seq.text[seq.num_sent_chars:end], end
+        return new
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens],
+                             seq.output_token_ids, seq.text, seq.finish_reason,
+                             seq.num_cached_tokens, seq.logprobs, seq.arrival_time,
+                             seq.first_token_time, seq.finish_time)
+
+    def stats(self) -> dict:
+        a, s = self.allocator, self.scheduler
+        return dict(num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
+                    num_cached_blocks=len(a.evictable), num_running=len(s.running),
+                    num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
+                    num_generated_tokens=self.num_generated_tokens,
+                    num_cached_tokens=s.num_cached_tokens, num_prompt_tokens=s.num_prompt_tokens,
+                    prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens))
+
+
+class LLM:
+    """Offline generation in vLLM's shape:
+    LLM(model_dir).generate(prompts, SamplingParams(...)) -> [RequestOutput]."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **settings):
+        self.engine = LLMEngine(Config(model=model, **settings))
+
+    def generate(self, prompts, params=None) -> list:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        for prompt, p in zip(prompts, params):   # check all before queueing any
+            self.engine.validate(self.engine.encode(prompt), p)
+        seqs = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        num_done, start = 0, time.perf_counter()
+        while self.engine.has_unfinished():
+            self.engine.step()
+            done = sum(s.is_finished for s in seqs) if len(seqs) > 1 else 0
+            if done != num_done:
+                num_done = done
+                _progress(f"generate: {done}/{len(seqs)} done, "
+                          f"{self.engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
+        return [self.engine.output(s) for s in seqs]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# `generate` streams one completion to the terminal; `serve` starts the HTTP
+# server. Flags are generated from the Config and SamplingParams fields, so
+# a new setting needs no parser code.
+
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int,
+               "Optional[str]": str, "Optional[list]": str}
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls):
+    for f in dataclasses.fields(cls):
+        if not f.init or "help" not in f.metadata:
+            continue
+        name = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        if f.type == "bool":
+            action = "store_false" if f.default else "store_true"
+            parser.add_argument(name, dest=f.name, action=action, help=f.metadata["help"])
+        elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
+            parser.add_argument(name, dest=f.name, action="append", help=f.metadata["help"])
+        else:
+            parser.add_argument(name, dest=f.name, type=_FLAG_TYPES[f.type], default=f.default,
+                                help=f.metadata["help"])
+
+
+def from_flags(cls, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.init and hasattr(args, f.name)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve.py", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt", help="the prompt text")
+    add_dataclass_flags(gen, Config)
+    add_dataclass_flags(gen, SamplingParams)
+    gen.set_defaults(max_tokens=128)
+    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_dataclass_flags(srv, Config)
+    return parser
+
+
+def run_generate(cfg: Config, prompt: str, params: SamplingParams):
+    engine = LLMEngine(cfg)
+    seq = engine.add_request(prompt, params, stream=True)
+    while not seq.is_finished:
+        engine.step()
+        print(engine.take_new_text(seq), end="", flush=True)
+    print()
+
+
+def ensure_default_model(model: str):
+    """The default model is made on first use (download.py converts it)."""
+    if model == DEFAULT_MODEL and not Path(model, "config.json").is_file():
+        import download
+        download.download()
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        ensure_default_model(args.model)
+        cfg = from_flags(Config, args)
+        if args.command == "generate":
+            run_generate(cfg, args.prompt, from_flags(SamplingParams, args))
+        else:
+            serve(cfg)
+    except (ValueError, OSError) as e:        # bad input: one line, no traceback
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Tests for nanoserve. transformers is the reference, and is imported here only.
+
+    pytest -q test_nanoserve.py            # CPU: the Triton kernels run in the interpreter
+    pytest -q test_nanoserve.py -k cuda    # on a GPU machine: the bf16 kernel and engine checks
+
+Each layer is compared with its transformers counterpart at an explicit
+tolerance (the worst difference is printed), the whole model token for token
+under greedy decoding, and the engine's invariants as equalities: batched ==
+one at a time, chunked prefill == whole prefill, preempted == not preempted,
+and every KV block back in the pool afterwards.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
+
+import download
+import nanoserve as ns
+
+SMOL_DIR = ns.DEFAULT_MODEL
+CUDA = torch.cuda.is_available()
+
+
+def assert_close(name, ours, ref, tol):
+    """Worst difference relative to the reference's largest magnitude."""
+    diff = (ours.float() - ref.float()).abs().max().item()
+    rel = diff / ref.float().abs().max().item()
+    print(f"{name}: max abs diff {diff:.2e}, relative {rel:.2e} (tolerance {tol:.0e})")
+    assert rel <= tol, f"{name}: relative diff {rel:.2e} > {tol:.0e}"
+
+
+def check_pool_is_free(engine):
+    """Every block is back: free, or kept only by the prefix cache with no user."""
+    a = engine.allocator
+    assert sum(a.ref_counts) == 0, "a block is still referenced"
+    assert a.num_free_blocks == a.num_blocks
+    assert len(set(a.free_block_ids) | set(a.evictable)) == a.num_blocks, "block lost"
+    assert not engine.seqs and not engine.has_unfinished()
+
+
+# ---------------------------------------------------------------------------
+# Models: a tiny random Llama-3-style checkpoint, and the real SmolLM2 with
+# transformers reading its GGUF itself as an independent reference.
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Llama-3 features in miniature: llama3 RoPE scaling (with positions past
+    the original context), GQA 4:1, tied embeddings, head_dim 32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, vocab_size=512, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=1,
+        eos_token_id=2, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64})
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():   # larger weights than the default init, so outputs vary per token
+        for p in hf.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    path = str(tmp_path_factory.mktemp("tiny"))
+    hf.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct: our converted folder, and transformers'
+    own reading of the original GGUF file."""
+    from transformers import AutoModelForCausalLM
+    assert os.path.isfile(os.path.join(SMOL_DIR, "config.json")), "run `python download.py`"
+    gguf = download.find_gguf(tmp_path_factory.mktemp("gguf"))
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                              torch_dtype=torch.float32).eval()
+    return SMOL_DIR, hf
+
+
+@pytest.fixture(scope="module")
+def smol_llm():
+    return ns.LLM(SMOL_DIR, num_blocks=256)
+
+
+def hf_greedy(hf, prompt_ids, max_new_tokens):
+    out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                      min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+# ---------------------------------------------------------------------------
+# Layers against transformers, fp32, ~1e-5
+
+def prefill_meta(T, block_size=16):
+    """Metadata for one sequence of T new tokens in blocks 0, 1, 2, ..."""
+    num_blocks = -(-T // block_size)
+    return ns.AttentionMetadata(
+        slot_mapping=torch.arange(T), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        context_lens=torch.tensor([T], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), max_seqlen_q=T, is_decode=False)
+
+
+def ours_and_hf(model_dir, hf):
+    cfg = ns.Config(model=model_dir, num_blocks=64, block_size=16)
+    model = ns.build_model(cfg)
+    for layer in model.layers:
+        shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
+        layer.attn.k_cache, layer.attn.v_cache = torch.zeros(shape), torch.zeros(shape)
+    return cfg, model
+
+
+def hf_layer_inputs(hf, x, T):
+    pos = torch.arange(T)[None]
+    cos_sin = hf.model.rotary_emb(x, pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]  # causal, additive
+    return cos_sin, mask
+
+
+@pytest.mark.parametrize("which", ["tiny", "smol"])
+@torch.no_grad()
+def test_layers_match_transformers(which, request):
+    model_dir, hf = request.getfixturevalue(which)
+    cfg, ours = ours_and_hf(model_dir, hf)
+    T = 100 if which == "tiny" else 40                 # tiny: past the original 64 positions
+    torch.manual_seed(1)
+    x = torch.randn(T, cfg.hidden_size)
+    positions = torch.arange(T)
+    (cos, sin), mask = hf_layer_inputs(hf, x[None], T)
+    me, them = ours.layers[0], hf.model.layers[0]
+    assert_close("RMSNorm", me.input_layernorm(x), them.input_layernorm(x[None])[0], 1e-5)
+    # RoPE: rotate random q and k, heads first as transformers has them
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    q = torch.randn(T, cfg.num_heads, cfg.head_dim)
+    k = torch.randn(T, cfg.num_kv_heads, cfg.head_dim)
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_me, k_me = ours.rope(positions, q, k)
+    assert_close("RoPE q", q_me, q_ref[0].transpose(0, 1), 1e-5)
+    assert_close("RoPE k", k_me, k_ref[0].transpose(0, 1), 1e-5)
+    attn_ref = them.self_attn(x[None], position_embeddings=(cos, sin), attention_mask=mask)[0][0]
+    assert_close("attention", me.attn(x, positions, ours.rope, prefill_meta(T)), attn_ref, 1e-5)
+    assert_close("MLP", me.mlp(x), them.mlp(x[None])[0], 1e-5)
+    block_ref = them(x[None], attention_mask=mask, position_ids=positions[None],
+                     position_embeddings=(cos, sin))
+    block_ref = block_ref[0] if isinstance(block_ref, tuple) else block_ref
+    assert_close("decoder layer", me(x, positions, ours.rope, prefill_meta(T)), block_ref[0], 1e-5)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smol"])
+@torch.no_grad()
+def test_logits_match_transformers(which, request):
+    model_dir, hf = request.getfixturevalue(which)
+    cfg, ours = ours_and_hf(model_dir, hf)
+    ids = torch.randint(0, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(2))
+    logits = ours.compute_logits(ours(ids, torch.arange(90), prefill_meta(90)))
+    ref = hf(ids[None]).logits[0]
+    assert_close("logits", logits, ref, 1e-5)
+    assert (logits.argmax(-1) == ref.argmax(-1)).all()
+
+
+# ---------------------------------------------------------------------------
+# Whole model, greedy, token for token
+
+def test_tiny_greedy_matches_transformers(tiny):
+    path, hf = tiny
+    llm = ns.LLM(path, num_blocks=64, block_size=8)
+    prompts = [list(range(5, 16)), [20, 21, 22], list(range(30, 90))]   # 60 + 40 > 64 positions
+    outs = llm.generate(prompts, ns.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 40)
+    check_pool_is_free(llm.engine)
+
+
+SMOL_PROMPTS = ["The capital of France is",
+                "def fibonacci(n):",
+                "Once upon a time, in a small village by the sea, there lived an old fisherman "
+                "who had a secret. Every morning he",
+                "1, 2, 3, 4,"]
+
+
+def test_smol_greedy_matches_transformers(smol, smol_llm):
+    _, hf = smol
+    tok = smol_llm.engine.tokenizer
+    outs = smol_llm.generate(SMOL_PROMPTS, ns.SamplingParams(temperature=0, max_tokens=24,
+                                                             ignore_eos=True))
+    for prompt, o in zip(SMOL_PROMPTS, outs):
+        ref = hf_greedy(hf, tok.encode(prompt).ids, 24)
+        print(repr(prompt), "->", repr(o.text))
+        assert o.token_ids == ref
+    assert "Paris" in outs[0].text
+    check_pool_is_free(smol_llm.engine)
+
+
+# ---------------------------------------------------------------------------
+# Engine equalities
+
+GREEDY = ns.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def test_batched_equals_one_at_a_time(smol_llm):
+    batched = smol_llm.generate(SMOL_PROMPTS, GREEDY)
+    for prompt, o in zip(SMOL_PROMPTS, batched):
+        assert smol_llm.generate([prompt], GREEDY)[0].token_ids == o.token_ids
+    check_pool_is_free(smol_llm.engine)
+
+
+def test_chunked_prefill_equals_whole_prefill(smol_llm):
+    whole = smol_llm.generate(SMOL_PROMPTS, GREEDY)
+    # A 7-token budget splits every prompt into chunks, mixed with decodes.
+    chunked = ns.LLM(SMOL_DIR, num_blocks=64, max_num_batched_tokens=7, max_num_seqs=4,
+                     enable_prefix_caching=False)
+    outs = chunked.generate(SMOL_PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in whole]
+    check_pool_is_free(chunked.engine)
+
+
+def test_preemption_keeps_output(smol_llm):
+    whole = smol_llm.generate(SMOL_PROMPTS, GREEDY)
+    # 4 sequences of up to 47 tokens need 12+ blocks of 8 at the end: 9 cannot hold them.
+    small = ns.LLM(SMOL_DIR, num_blocks=9, block_size=8, enable_prefix_caching=False)
+    outs = small.generate(SMOL_PROMPTS, GREEDY)
+    assert small.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in whole]
+    check_pool_is_free(small.engine)
+
+
+def test_stop_strings_and_tokens(smol_llm):
+    base = smol_llm.generate(["1, 2, 3, 4,"], GREEDY)[0]
+    assert " 5, 6" in base.text
+    params = ns.SamplingParams(temperature=0, max_tokens=20, stop=[" 6"])
+    out = smol_llm.generate(["1, 2, 3, 4,"], params)[0]
+    assert out.finish_reason == "stop" and out.text == base.text[:base.text.index(" 6")]
+    ids = base.token_ids   # stop on the first token that was not generated before
+    i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    out = smol_llm.generate(["1, 2, 3, 4,"], ns.SamplingParams(temperature=0, max_tokens=20,
+                                                               stop_token_ids=[ids[i]]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ids[:i + 1]
+    out = smol_llm.generate(["1, 2, 3, 4,"], ns.SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    check_pool_is_free(smol_llm.engine)
+
+
+def test_token_id_prompts_and_order(smol_llm):
+    ids = smol_llm.engine.tokenizer.encode("The capital of France is").ids
+    outs = smol_llm.generate(["def fibonacci(n):", ids], GREEDY)
+    assert outs[1].prompt_token_ids == ids
+    assert outs[1].token_ids == smol_llm.generate([SMOL_PROMPTS[0]], GREEDY)[0].token_ids
+
+
+# ---------------------------------------------------------------------------
+# Sampling
+
+def sampling_batch(temps, top_ks=None, top_ps=None, gens=()):
+    B = len(temps)
+    return ns.SamplingBatch(
+        temperatures=torch.tensor(temps, dtype=torch.float32),
+        top_ks=torch.tensor(top_ks or [10 ** 6] * B), top_ps=torch.tensor(top_ps or [1.0] * B),
+        generators=list(gens), all_greedy=all(t == 0 for t in temps),
+        needs_top_k_top_p=top_ks is not None or top_ps is not None, max_logprobs=0)
+
+
+def test_top_k_top_p_masks_are_exact():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0],
+                           [1.0, 4.0, 3.0, 2.0, 0.0],
+                           [0.0, 0.0, 0.0, 5.0, 0.0]])
+    top_ks = torch.tensor([2, 5, 5])
+    # probs of row 1 sorted: .644 .237 .087 .032 .012; p=0.85 keeps the top two
+    top_ps = torch.tensor([1.0, 0.85, 0.5])
+    masked = ns.apply_top_k_top_p(logits, top_ks, top_ps)
+    kept = torch.isfinite(masked)
+    assert kept.tolist() == [[False, True, True, False, False],
+                             [False, True, True, False, False],
+                             [False, False, False, True, False]]
+    assert torch.equal(masked[kept], logits[kept])    # survivors are untouched
+
+
+def test_seeded_sampling_is_reproducible(smol_llm):
+    p = ns.SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = smol_llm.generate(["Tell me a story"], p)[0].token_ids
+    others = ns.SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    in_batch = smol_llm.generate(["Hello", "Tell me a story", "Why"], [others, p, others])
+    assert in_batch[1].token_ids == alone
+    other_seed = smol_llm.generate(["Tell me a story"], ns.SamplingParams(
+        temperature=1.0, top_p=0.95, max_tokens=16, seed=4321, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone
+
+
+def test_sampled_frequencies_match_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    n, temperature = 40000, 0.7
+    batch = sampling_batch([temperature] * n)
+    torch.manual_seed(0)
+    tokens, _ = ns.sample(logits.expand(n, -1).clone(), batch)
+    freq = torch.bincount(tokens, minlength=5).float() / n
+    expected = (logits / temperature).softmax(-1)
+    sigma = (expected * (1 - expected) / n).sqrt()
+    worst = ((freq - expected).abs() / sigma).max().item()
+    print(f"sampled frequencies {freq.tolist()}, expected {expected.tolist()}, worst {worst:.1f} sigma")
+    assert worst < 5
+
+
+def test_greedy_rows_ignore_noise():
+    logits = torch.randn(6, 50)
+    batch = sampling_batch([0, 1.0, 0, 1.0, 0, 0.5])
+    tokens, _ = ns.sample(logits, batch)
+    greedy = logits.argmax(-1)
+    assert tokens[[0, 2, 4]].tolist() == greedy[[0, 2, 4]].tolist()
+
+
+# ---------------------------------------------------------------------------
+# Block allocator
+
+def test_allocator_counts_and_evicts_lru():
+    a = ns.BlockAllocator(4)
+    blocks = [a.allocate() for _ in range(4)]
+    assert a.num_free_blocks == 0
+    with pytest.raises(AssertionError):
+        a.free(blocks[0]); a.free(blocks[0])           # noqa: E702  (the second is a double free)
+    a.cache(blocks[1], 111); a.cache(blocks[2], 222)
+    a.free(blocks[2]); a.free(blocks[1])               # 2 is evictable before 1
+    a.share(blocks[1]); a.free(blocks[1])              # shared again: now 1 is the most recent
+    assert a.lookup(111) == blocks[1] and a.lookup(222) == blocks[2]
+    assert a.allocate() == blocks[0]                   # uncached blocks go first
+    assert a.allocate() == blocks[2]                   # then the least recently used
+    assert a.lookup(222) is None and a.lookup(111) == blocks[1]
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+
+def test_bad_input_is_a_clear_value_error(smol_llm, tmp_path):
+    cases = [("", ns.SamplingParams(), "empty"),
+             ([], ns.SamplingParams(), "empty"),
+             ("hi", ns.SamplingParams(max_tokens=0), "max_tokens"),
+             ("hi", ns.SamplingParams(max_tokens=9000), "context window of 8192"),
+             ("hi", ns.SamplingParams(temperature=-1), "temperature"),
+             ("hi", ns.SamplingParams(top_p=0), "top_p"),
+             ([1, 10 ** 9], ns.SamplingParams(), "token ids")]
+    for prompt, params, words in cases:
+        with pytest.raises(ValueError, match=words):
+            smol_llm.generate([prompt], params)
+    with pytest.raises(ValueError, match="does not exist"):
+        ns.LLM(str(tmp_path / "nope"))
+    check_pool_is_free(smol_llm.engine)
