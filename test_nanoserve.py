@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 import download
 import nanoserve as ns
+import paged_attention as pa
 
 SMOL_DIR = ns.DEFAULT_MODEL
 CUDA = torch.cuda.is_available()
@@ -82,7 +83,7 @@ def smol(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol_llm():
-    return ns.LLM(SMOL_DIR, num_blocks=256)
+    return ns.LLM(SMOL_DIR, device="cpu", num_blocks=256)
 
 
 def hf_greedy(hf, prompt_ids, max_new_tokens):
@@ -105,7 +106,7 @@ def prefill_meta(T, block_size=16):
 
 
 def ours_and_hf(model_dir, hf):
-    cfg = ns.Config(model=model_dir, num_blocks=64, block_size=16)
+    cfg = ns.Config(model=model_dir, device="cpu", num_blocks=64, block_size=16)
     model = ns.build_model(cfg)
     for layer in model.layers:
         shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
@@ -166,7 +167,7 @@ def test_logits_match_transformers(which, request):
 
 def test_tiny_greedy_matches_transformers(tiny):
     path, hf = tiny
-    llm = ns.LLM(path, num_blocks=64, block_size=8)
+    llm = ns.LLM(path, device="cpu", num_blocks=64, block_size=8)
     prompts = [list(range(5, 16)), [20, 21, 22], list(range(30, 90))]   # 60 + 40 > 64 positions
     outs = llm.generate(prompts, ns.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     for p, o in zip(prompts, outs):
@@ -210,7 +211,7 @@ def test_batched_equals_one_at_a_time(smol_llm):
 def test_chunked_prefill_equals_whole_prefill(smol_llm):
     whole = smol_llm.generate(SMOL_PROMPTS, GREEDY)
     # A 7-token budget splits every prompt into chunks, mixed with decodes.
-    chunked = ns.LLM(SMOL_DIR, num_blocks=64, max_num_batched_tokens=7, max_num_seqs=4,
+    chunked = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, max_num_batched_tokens=7, max_num_seqs=4,
                      enable_prefix_caching=False)
     outs = chunked.generate(SMOL_PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in whole]
@@ -220,7 +221,7 @@ def test_chunked_prefill_equals_whole_prefill(smol_llm):
 def test_preemption_keeps_output(smol_llm):
     whole = smol_llm.generate(SMOL_PROMPTS, GREEDY)
     # 4 sequences of up to 47 tokens need 12+ blocks of 8 at the end: 9 cannot hold them.
-    small = ns.LLM(SMOL_DIR, num_blocks=9, block_size=8, enable_prefix_caching=False)
+    small = ns.LLM(SMOL_DIR, device="cpu", num_blocks=9, block_size=8, enable_prefix_caching=False)
     outs = small.generate(SMOL_PROMPTS, GREEDY)
     assert small.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in whole]
@@ -248,6 +249,72 @@ def test_token_id_prompts_and_order(smol_llm):
     outs = smol_llm.generate(["def fibonacci(n):", ids], GREEDY)
     assert outs[1].prompt_token_ids == ids
     assert outs[1].token_ids == smol_llm.generate([SMOL_PROMPTS[0]], GREEDY)[0].token_ids
+
+
+def test_engine_triton_attention_equals_torch(tiny):
+    """The whole engine with the Triton kernels (interpreted on CPU) against the
+    torch path and transformers, fp32, with chunked prefills mixed into decodes
+    (and, on CUDA, decode steps replayed from CUDA graphs)."""
+    path, hf = tiny
+    device = "cuda" if CUDA else "cpu"
+    prompts = [list(range(5, 16)), [20, 21, 22], list(range(30, 90))]
+    n = 40 if CUDA else 6
+    params = ns.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outs = {}
+    for attention in ("torch", "triton"):
+        llm = ns.LLM(path, device=device, dtype="float32", attention=attention, num_blocks=64,
+                     block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
+        outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
+        check_pool_is_free(llm.engine)
+    assert outs["triton"] == outs["torch"]
+    assert outs["torch"] == [hf_greedy(hf, p, n) for p in prompts]
+
+
+# ---------------------------------------------------------------------------
+# Prefix caching
+
+def shared_prefix_prompts(tokenizer):
+    """Prompts sharing prefixes that end on a block boundary (32 = 2 blocks of
+    16), one token either side of it, and a prompt repeated whole."""
+    base = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8).ids
+    return [base[:32] + [504, 3575], base[:31] + [504], base[:33] + [3575, 28],
+            base[:48], base[:48], base[:17] + [30, 31], base[:60]]
+
+
+def test_prefix_caching_keeps_output(smol_llm):
+    prompts = shared_prefix_prompts(smol_llm.engine.tokenizer)
+    seeded = [ns.SamplingParams(temperature=0.9, top_k=50, max_tokens=12, seed=i,
+                                ignore_eos=True) for i in range(len(prompts))]
+    no_cache = ns.LLM(SMOL_DIR, device="cpu", num_blocks=128, enable_prefix_caching=False)
+    for params in (GREEDY, seeded):
+        ref = [o.token_ids for o in no_cache.generate(prompts, params)]
+        for _ in range(2):         # the second pass finds every prompt's blocks cached
+            outs = smol_llm.generate(prompts, params)
+            assert [o.token_ids for o in outs] == ref
+            check_pool_is_free(smol_llm.engine)
+        for p, o in zip(prompts, outs):
+            # every full block but the one holding the last prompt token
+            assert o.num_cached_tokens == (len(p) - 1) // 16 * 16
+    assert smol_llm.stats()["num_cached_tokens"] > 0
+    check_pool_is_free(no_cache.engine)
+
+
+def test_prefix_cache_evicts_in_a_small_pool():
+    """A pool too small to keep every prefix: evictions, preemptions, and still
+    the same output as without a cache."""
+    tok = ns.load_tokenizer(SMOL_DIR)[0]
+    prompts = shared_prefix_prompts(tok)
+    small = ns.LLM(SMOL_DIR, device="cpu", num_blocks=14, block_size=8)
+    no_cache = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, block_size=8, enable_prefix_caching=False)
+    ref = [o.token_ids for o in no_cache.generate(prompts, GREEDY)]
+    for order in (prompts, prompts[::-1], prompts):
+        outs = small.generate(order, GREEDY)
+        assert [o.token_ids for o in outs] == [ref[prompts.index(p)] for p in order]
+        check_pool_is_free(small.engine)
+    a = small.engine.allocator
+    assert len(a.cached_blocks) == len(a.evictable) <= a.num_blocks
+    assert all(a.block_hashes[b] == h for h, b in a.cached_blocks.items())
+    assert small.stats()["num_cached_tokens"] > 0
 
 
 # ---------------------------------------------------------------------------
@@ -345,3 +412,223 @@ def test_bad_input_is_a_clear_value_error(smol_llm, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         ns.LLM(str(tmp_path / "nope"))
     check_pool_is_free(smol_llm.engine)
+
+
+# ---------------------------------------------------------------------------
+# Paged-attention kernels against their torch references. On CPU they run in
+# the Triton interpreter (fp32); on a GPU also in bf16.
+# Every cache slot that no sequence owns is NaN (spare blocks, the tail of each
+# sequence's last block, the blocks that padding entries of the table point
+# at), and outputs are pre-filled with NaN, so a kernel that reads past a
+# context or skips a row fails the finiteness check instead of passing by luck.
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+NO_CUDA = not torch.cuda.is_available()
+DEVICE_DTYPES = pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float32,
+                 marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", torch.float32, marks=pytest.mark.skipif(NO_CUDA, reason="needs CUDA")),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.skipif(NO_CUDA, reason="needs CUDA")),
+])
+# (n_heads, n_kv, hd, block_size): GQA ratios 1, 3 and 4, both head dims, three block sizes
+SHAPES = pytest.mark.parametrize("n_heads,n_kv,hd,block_size", [
+    (4, 4, 64, 16),
+    (9, 3, 128, 8),
+    (8, 2, 64, 32),
+    (8, 2, 128, 16),
+])
+
+
+def compare(out, ref, dtype, what):
+    """fp32: max abs error < 2e-5. bf16: ||out - ref|| / ||ref|| < 1e-2, with ref
+    computed in fp32 from the same bf16 inputs."""
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (a row not written, or NaN slots read)"
+    out, ref = out.float(), ref.float()
+    if dtype == torch.float32:
+        err = (out - ref).abs().max().item()
+        print(f"{what}: max abs err {err:.2e}")
+        assert err < 2e-5, f"{what}: max abs err {err:.2e}"
+    else:
+        err = ((out - ref).norm() / ref.norm()).item()
+        print(f"{what}: rel err {err:.2e}")
+        assert err < 1e-2, f"{what}: rel err {err:.2e}"
+
+
+def make_paged_cache(context_lens, block_size, n_kv, hd, dtype, device, gen, extra_cols=1):
+    """Random K/V pools and a block table with shuffled block ids.
+
+    extra_cols padding columns widen the table past the longest sequence, as a
+    CUDA-graph batch sized for the longest allowed sequence would.
+    """
+    blocks_per_seq = [-(-L // block_size) for L in context_lens]
+    num_blocks = sum(blocks_per_seq) + 2  # two blocks nobody owns
+    shape = (num_blocks, block_size, n_kv, hd)
+    k_cache = torch.randn(shape, generator=gen)
+    v_cache = torch.randn(shape, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    unowned = perm[:2]
+    k_cache[unowned] = float("nan")
+    v_cache[unowned] = float("nan")
+    block_tables = torch.full((len(context_lens), max(blocks_per_seq) + extra_cols), int(unowned[0]))
+    first = 2
+    for b, (L, nb) in enumerate(zip(context_lens, blocks_per_seq)):
+        block_tables[b, :nb] = perm[first:first + nb]
+        first += nb
+        if L % block_size:  # slots past the end of the last block
+            k_cache[block_tables[b, nb - 1], L % block_size:] = float("nan")
+            v_cache[block_tables[b, nb - 1], L % block_size:] = float("nan")
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return k_cache.to(device, dtype), v_cache.to(device, dtype), block_tables.to(device, torch.int32), lens
+
+
+def fused_qkv_views(N_tok, n_heads, n_kv, hd, dtype, device, gen):
+    """q, k, v as the strided views a fused qkv projection hands out."""
+    qkv = torch.randn(N_tok, (n_heads + 2 * n_kv) * hd, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=1)
+    return q.view(N_tok, n_heads, hd), k.view(N_tok, n_kv, hd), v.view(N_tok, n_kv, hd)
+
+
+def nan_like(x):
+    return torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+
+
+# ----------------------------------------------------------------------------
+# store_kvcache
+
+@DEVICE_DTYPES
+@pytest.mark.parametrize("n_kv,hd,block_size", [(3, 64, 8), (2, 128, 16)])
+def test_store_kvcache(device, dtype, n_kv, hd, block_size):
+    gen = torch.Generator().manual_seed(0)
+    N_tok, num_blocks = 9, 4
+    _, k, v = fused_qkv_views(N_tok, 2 * n_kv, n_kv, hd, dtype, device, gen)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:N_tok]
+    slot_mapping[3] = -1  # a padding token of a CUDA-graph batch
+    slot_mapping = slot_mapping.to(device)
+    shape = (num_blocks, block_size, n_kv, hd)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    pa.store_kvcache_ref(k, v, k_ref, v_ref, slot_mapping)
+    k_before = k_cache.clone()
+    pa.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # exactly the 8 valid slots changed, and each holds its token
+    changed = (k_cache != k_before).flatten(2).any(-1).flatten()  # (num_blocks * block_size,)
+    written = slot_mapping[slot_mapping >= 0]
+    assert changed.nonzero().flatten().sort().values.tolist() == written.sort().values.tolist()
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            assert torch.equal(k_cache.view(-1, n_kv, hd)[slot], k[t])
+            assert torch.equal(v_cache.view(-1, n_kv, hd)[slot], v[t])
+
+
+# ----------------------------------------------------------------------------
+# decode
+
+def run_decode(context_lens, n_heads, n_kv, hd, block_size, device, dtype, extra_cols=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables, lens = make_paged_cache(
+        context_lens, block_size, n_kv, hd, dtype, device, gen, extra_cols)
+    q, _, _ = fused_qkv_views(len(context_lens), n_heads, n_kv, hd, dtype, device, gen)
+    scale = hd ** -0.5
+    out = nan_like(q)
+    ret = pa.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale, out=out)
+    assert ret is out
+    ref = pa.paged_attention_decode_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
+                                        lens, scale)
+    return out, ref
+
+
+@DEVICE_DTYPES
+@SHAPES
+def test_decode(device, dtype, n_heads, n_kv, hd, block_size):
+    bs = block_size
+    context_lens = [0, 1, bs - 1, bs, bs + 1, 67, 131]  # 0: padding row of a CUDA-graph batch
+    out, ref = run_decode(context_lens, n_heads, n_kv, hd, bs, device, dtype)
+    assert (out[0] == 0).all(), "a context_len 0 row must come out as zeros"
+    compare(out, ref, dtype, f"decode {n_heads}/{n_kv} hd{hd} bs{bs}")
+
+
+@DEVICE_DTYPES
+def test_decode_many_splits(device, dtype):
+    """A table far wider than the contexts (as under a CUDA graph sized for the
+    longest allowed sequence): many splits, most of them empty."""
+    n_heads, n_kv, hd, bs = 4, 1, 64, 16
+    out, ref = run_decode([300, 0, 5], n_heads, n_kv, hd, bs, device, dtype, extra_cols=40)
+    num_splits = pa._decode_num_splits(3, n_kv, -(-(19 + 40) * bs // pa.DECODE_BLOCK_N), out.device)
+    assert num_splits >= 4, "this test is meant to exercise splitting"
+    compare(out, ref, dtype, f"decode {num_splits} splits")
+
+
+# ----------------------------------------------------------------------------
+# prefill
+
+@DEVICE_DTYPES
+@SHAPES
+def test_prefill_mixed(device, dtype, n_heads, n_kv, hd, block_size):
+    """Whole prefills, chunked prefills after a cached prefix, and decode rows in one batch."""
+    bs = block_size
+    q_and_context_lens = [
+        (67, 67), (bs + 1, bs + 1),        # whole prefills
+        (20, 131), (bs - 1, 2 * bs + 3),   # chunks after a cached prefix
+        (5, 2 * bs),                       # a chunk ending on a block boundary
+        (1, 1), (1, 67), (1, bs),          # decode rows
+    ]
+    q_lens = [T for T, _ in q_and_context_lens]
+    context_lens = [L for _, L in q_and_context_lens]
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache, block_tables, lens = make_paged_cache(context_lens, bs, n_kv, hd, dtype, device, gen)
+    q, _, _ = fused_qkv_views(sum(q_lens), n_heads, n_kv, hd, dtype, device, gen)
+    cu_seqlens_q = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    scale = hd ** -0.5
+    out = nan_like(q)
+    ret = pa.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens,
+                                     max(q_lens), scale, out=out)
+    assert ret is out
+    ref = pa.paged_attention_prefill_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
+                                         cu_seqlens_q, lens, max(q_lens), scale)
+    compare(out, ref, dtype, f"prefill {n_heads}/{n_kv} hd{hd} bs{bs}")
+
+
+@DEVICE_DTYPES
+def test_prefill_matches_decode(device, dtype):
+    """A batch of single-token rows through the prefill kernel equals decode."""
+    context_lens = [1, 15, 16, 17, 67]
+    out_decode, _ = run_decode(context_lens, 8, 2, 64, 16, device, dtype)
+    gen = torch.Generator().manual_seed(0)  # the same draws as run_decode
+    k_cache, v_cache, block_tables, lens = make_paged_cache(context_lens, 16, 2, 64, dtype, device, gen)
+    q, _, _ = fused_qkv_views(len(context_lens), 8, 2, 64, dtype, device, gen)
+    cu_seqlens_q = torch.arange(len(context_lens) + 1, dtype=torch.int32, device=device)
+    out = pa.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, 1, 64 ** -0.5)
+    compare(out, out_decode, dtype, "prefill vs decode")
+
+
+# ----------------------------------------------------------------------------
+# CUDA graphs: the wrappers must never sync with the host
+
+@pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
+def test_decode_cuda_graph():
+    n_heads, n_kv, hd, bs = 8, 2, 128, 16
+    gen = torch.Generator().manual_seed(2)
+    context_lens = [40, 0, 200, 17]
+    k_cache, v_cache, block_tables, lens = make_paged_cache(
+        context_lens, bs, n_kv, hd, torch.bfloat16, "cuda", gen, extra_cols=8)
+    q = torch.randn(len(context_lens), n_heads, hd, generator=gen).to("cuda", torch.bfloat16)
+    out = torch.empty_like(q)
+    pa.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, hd ** -0.5, out=out)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in the wrapper raises
+    try:
+        pa.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, hd ** -0.5, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, hd ** -0.5, out=out)
+    # new inputs in the same buffers, as the engine does between replays
+    q.copy_(torch.randn(q.shape, generator=gen))
+    lens.copy_(torch.tensor([39, 0, 150, 1]))
+    graph.replay()
+    ref = pa.paged_attention_decode_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
+                                        lens, hd ** -0.5)
+    compare(out, ref, torch.bfloat16, "decode replayed from a CUDA graph")
