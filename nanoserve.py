@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import dataclasses
+import hmac
 import json
 import math
 import os
@@ -38,17 +40,27 @@ import queue
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import OrderedDict, deque
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Optional
 
+import jinja2
+import jinja2.sandbox
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 import paged_attention as pa
 
@@ -470,13 +482,13 @@ class SamplingParams:
 class SamplingBatch:
     """The per-row settings of one step, as device tensors, plus host-side flags
     that let the sampler skip work nobody asked for."""
-    temperatures: torch.Tensor        # (B,) float, 0 for greedy rows
-    top_ks: torch.Tensor              # (B,) int, V where top-k is off
-    top_ps: torch.Tensor              # (B,) float
+    temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows; None if all are
+    top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off
+    top_ps: Optional[torch.Tensor]    # (B,) float
     generators: list                  # (row, torch.Generator) for seeded rows
     all_greedy: bool
     needs_top_k_top_p: bool
-    max_logprobs: int                 # 0 when no row wants log-probs
+    max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
 
 
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
@@ -512,7 +524,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V) float32
             noise[row].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
-    if not batch.max_logprobs:
+    if batch.max_logprobs is None:
         return tokens, None
     # Log-probs of the model's own distribution (before temperature/top-p),
     # the way the OpenAI API reports them.
@@ -609,6 +621,7 @@ class Sequence:
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
+        self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
         self.status, self.finish_reason = Status.WAITING, None
         self.generator = None            # per-request RNG when params.seed is set
         self.logprobs: list = []         # per output token: (logprob, {token: logprob})
@@ -622,6 +635,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list:
@@ -716,7 +733,7 @@ class Scheduler:
         # before the heads that other prompts are likelier to reuse.
         for block in reversed(seq.block_table):
             self.allocator.free(block)
-        seq.block_table, seq.num_computed_tokens = [], 0
+        seq.block_table, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
 
     # -- prefix caching --
 
@@ -754,8 +771,9 @@ class Scheduler:
             return
         self._hash_full_blocks(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
-        for block, h in zip(seq.block_table[:num_full], seq.block_hashes[:num_full]):
-            self.allocator.cache(block, h)
+        for i in range(seq.num_named_blocks, num_full):   # only the newly full ones
+            self.allocator.cache(seq.block_table[i], seq.block_hashes[i])
+        seq.num_named_blocks = max(seq.num_named_blocks, num_full)
 
     def finish(self, seq: Sequence, reason: str):
         if seq in self.running:
@@ -869,15 +887,19 @@ class ModelRunner:
 
     def sampling_batch(self, seqs: list) -> SamplingBatch:
         params = [s.params for s in seqs]
-        V = self.cfg.vocab_size
-        return SamplingBatch(
-            temperatures=self._to_device([p.temperature for p in params], torch.float32),
-            top_ks=self._to_device([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
-            top_ps=self._to_device([p.top_p for p in params], torch.float32),
+        all_greedy = all(p.temperature == 0 for p in params)
+        V, to_dev = self.cfg.vocab_size, self._to_device
+        return SamplingBatch(   # an all-greedy batch needs no per-row tensors
+            temperatures=None if all_greedy else to_dev([p.temperature for p in params],
+                                                        torch.float32),
+            top_ks=None if all_greedy else to_dev([p.top_k if p.top_k > 0 else V
+                                                   for p in params], torch.int64),
+            top_ps=None if all_greedy else to_dev([p.top_p for p in params], torch.float32),
             generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
-            all_greedy=all(p.temperature == 0 for p in params),
+            all_greedy=all_greedy,
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            max_logprobs=max((p.logprobs or 0) for p in params))
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
+                             default=None))
 
     # -- forward and sample --
 
@@ -1075,7 +1097,7 @@ class LLMEngine:
             reason = "stop"
         elif self._truncate_at_stop_string(seq, num_old_chars):
             reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.cache_computed_blocks(seq)    # before its blocks are freed
@@ -1165,6 +1187,584 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+# ---------------------------------------------------------------------------
+# Server
+# An OpenAI-compatible HTTP API on Starlette. The engine is not thread-safe, so
+# it steps in one background thread (AsyncEngine); handlers on the event loop
+# send it add/abort commands through a queue and await their tokens.
+
+class APIError(Exception):
+    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class TokenEvent:
+    """What the engine thread tells a request after a step about one choice
+    (and, added up, a whole choice of a non-streamed response)."""
+    index: int                        # which of the request's n choices
+    text: str = ""                    # new text that is safe to send (may be "")
+    token_ids: list = field(default_factory=list)   # the new tokens (one per step)
+    logprobs: list = field(default_factory=list)    # their (logprob, {token_id: logprob})
+    finish_reason: Optional[str] = None             # "stop" or "length" on the last event
+    error: Optional[str] = None                     # the engine failed this request
+
+
+class Histogram:
+    """A Prometheus histogram: a count per bucket (upper bound `le`), a sum and a
+    total. The engine thread writes it and /metrics reads it: the lock keeps one
+    rendering's buckets, sum and count consistent."""
+
+    def __init__(self, name: str, buckets: list):
+        self.name, self.buckets = name, buckets
+        self.counts, self.sum = [0] * (len(buckets) + 1), 0.0    # the last is le="+Inf"
+        self.lock = threading.Lock()
+
+    def observe(self, seconds: float):
+        with self.lock:
+            self.counts[bisect.bisect_left(self.buckets, seconds)] += 1  # first le >= seconds
+            self.sum += seconds
+
+    def render(self) -> list:
+        with self.lock:
+            counts, total = list(self.counts), self.sum
+        lines, cumulative = [f"# TYPE {self.name} histogram"], 0
+        for le, n in zip([*map(str, self.buckets), "+Inf"], counts):
+            cumulative += n           # a bucket counts everything <= le
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
+        return lines + [f"{self.name}_sum {total}", f"{self.name}_count {cumulative}"]
+
+
+@dataclass
+class _Route:
+    """Where one sequence's events go; only the engine thread touches it."""
+    index: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    arrival_time: float               # perf_counter() when the request arrived
+    last_token_time: Optional[float] = None
+    num_sent_tokens: int = 0
+
+
+class AsyncEngine:
+    """The engine on its own thread, the only one that touches the LLMEngine.
+    The event loop talks to it through `inbox` (add and abort commands, drained
+    at the top of every iteration, so a new request joins the running batch at
+    the next step) and hears back through each request's asyncio.Queue."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine, self.inbox = engine, queue.Queue()
+        # Replaced, never mutated, after every iteration: another thread that
+        # reads it gets one whole snapshot.
+        self.stats = engine.stats()
+        self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
+                              [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
+        self.itl = Histogram("nanoserve_inter_token_latency_seconds",
+                             [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10])
+        self.routes: dict[str, _Route] = {}        # request_id -> _Route
+        self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        self.thread.start()
+
+    def shutdown(self):
+        self.inbox.put(("stop", None))
+        self.thread.join()
+
+    async def generate(self, prompt_ids: list, params: list):
+        """Run one request, a choice per SamplingParams; yield its TokenEvents.
+        However the caller stops (done, client gone, cancelled, error), the
+        `finally` aborts what still runs, so its KV blocks are freed at the next
+        step rather than when max_tokens runs out."""
+        base_id, events = uuid.uuid4().hex, asyncio.Queue()
+        request_ids = [f"{base_id}-{i}" for i in range(len(params))]
+        loop, now = asyncio.get_running_loop(), time.perf_counter()
+        for i, p in enumerate(params):
+            self.inbox.put(("add", request_ids[i], _Route(i, loop, events, now), prompt_ids, p))
+        num_open = len(params)
+        try:
+            while num_open:
+                event = await events.get()
+                if event.error is not None:
+                    raise APIError(500, event.error, "internal_error")
+                num_open -= event.finish_reason is not None
+                yield event
+        finally:
+            for request_id in request_ids if num_open else []:
+                self.inbox.put(("abort", request_id))
+
+    # -- the engine thread --
+
+    def _run(self):
+        while True:
+            # Block only when idle; while sequences run, take what has arrived.
+            commands = [] if self.engine.has_unfinished() else [self.inbox.get()]
+            while not self.inbox.empty():
+                commands.append(self.inbox.get_nowait())
+            for kind, request_id, *args in commands:
+                if kind == "stop":
+                    return
+                if kind == "abort":
+                    self.engine.abort_request(request_id)
+                    self.routes.pop(request_id, None)
+                else:
+                    self._add(request_id, *args)
+            if self.engine.has_unfinished():
+                self._step()
+            self.stats = self.engine.stats()
+
+    def _add(self, request_id: str, route: _Route, prompt_ids: list, params: SamplingParams):
+        try:
+            # stream=True for every request: with one detokenization path, a
+            # streamed text equals the non-streamed one by construction.
+            self.engine.add_request(prompt_ids, params, request_id=request_id, stream=True)
+            self.routes[request_id] = route
+        except Exception as e:        # fails only this request
+            traceback.print_exc()
+            self._send(route, TokenEvent(route.index, error=f"add_request failed: {e!r}"))
+
+    def _step(self):
+        try:
+            seqs = self.engine.step()
+        except Exception as e:
+            traceback.print_exc()
+            self._fail_step(e)
+            return
+        now = time.perf_counter()
+        for seq in seqs:
+            if seq.request_id in self.routes:
+                self._deliver(seq, self.routes[seq.request_id], now)
+
+    def _fail_step(self, error: Exception):
+        """Fail the requests of a step that raised (the running ones, and any it
+        finished before raising) and free their blocks; the others keep going."""
+        running = {seq.request_id for seq in self.engine.scheduler.running}
+        failed = [r for r in self.routes if r in running or r not in self.engine.seqs]
+        for request_id in failed:
+            self.engine.abort_request(request_id)
+            route = self.routes.pop(request_id)
+            self._send(route, TokenEvent(route.index, error=f"the engine failed: {error!r}"))
+
+    def _deliver(self, seq: Sequence, route: _Route, now: float):
+        if route.last_token_time is None:
+            self.ttft.observe(now - route.arrival_time)
+        else:
+            self.itl.observe(now - route.last_token_time)
+        new = slice(route.num_sent_tokens, None)
+        event = TokenEvent(route.index, self.engine.take_new_text(seq), seq.output_token_ids[new],
+                           seq.logprobs[new], seq.finish_reason)
+        route.last_token_time, route.num_sent_tokens = now, len(seq.output_token_ids)
+        if seq.is_finished:
+            del self.routes[seq.request_id]
+        self._send(route, event)
+
+    def _send(self, route: _Route, event: TokenEvent):
+        # asyncio.Queue is not thread-safe: the put runs on the request's loop
+        try:
+            route.loop.call_soon_threadsafe(route.events.put_nowait, event)
+        except RuntimeError:          # that loop is closed: the server is gone
+            pass
+
+
+# -- request parsing: each check raises an APIError that names the field --
+
+_JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
+               dict: "an object"}
+
+
+def _param(body: dict, name: str, kind: type, default=None):
+    """body[name] checked against a JSON type; a JSON null counts as absent."""
+    value = body.get(name)
+    if value is None:
+        return default
+    # an integer is a fine number; true is an int in Python but not in JSON
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or isinstance(value, bool) != (kind is bool):
+        raise APIError(400, f"'{name}' must be {_JSON_TYPES[kind]}, "
+                            f"got {json.dumps(value)[:40]}", param=name)
+    return value
+
+
+def parse_sampling_params(body: dict, max_tokens: int, logprobs: Optional[int]) -> list:
+    """One SamplingParams per choice. With a seed, choice i uses seed + i, so
+    the n choices differ and the request stays reproducible."""
+    n, seed, stop = _param(body, "n", int, 1), _param(body, "seed", int), body.get("stop")
+    if not 1 <= n <= 128:             # OpenAI's limit
+        raise APIError(400, f"'n' must be in [1, 128], got {n}", param="n")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    shared = dict(temperature=float(_param(body, "temperature", float, 1.0)),
+                  top_p=float(_param(body, "top_p", float, 1.0)),
+                  top_k=_param(body, "top_k", int, -1), max_tokens=max_tokens, stop=stop,
+                  ignore_eos=_param(body, "ignore_eos", bool, False), logprobs=logprobs)
+    return [SamplingParams(**shared, seed=None if seed is None else seed + i) for i in range(n)]
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _parse_messages(body: dict) -> list:
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages)):
+        raise APIError(400, "'messages' must be a non-empty list of objects with a string "
+                            "'role' and a string 'content'", param="messages")
+    return messages
+
+
+def _raise_template_error(message: str):
+    raise jinja2.TemplateError(message)
+
+
+class ChatTemplate:
+    """The model's own chat template (tokenizer_config.json), rendered the way
+    transformers renders it. The template is code shipped with the checkpoint,
+    so it runs in jinja2's sandbox; blocks are trimmed, and the helpers that
+    templates call (raise_exception, strftime_now) exist."""
+
+    def __init__(self, tokenizer_config: dict):
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals.update(raise_exception=_raise_template_error, strftime_now=time.strftime)
+        source = tokenizer_config.get("chat_template")
+        self.template = env.from_string(source) if source else None
+        # older configs write a special token as {"content": "<s>", ...}
+        self.special_tokens = {}
+        for name in ("bos_token", "eos_token"):
+            token = tokenizer_config.get(name) or ""
+            self.special_tokens[name] = token["content"] if isinstance(token, dict) else token
+
+    def render(self, messages: list) -> str:
+        if self.template is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
+
+
+# -- response shapes: one class per endpoint, with the same methods --
+
+def _usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+class _Shape:
+    """What both endpoints share: ids, envelopes and top log-probs. The engine's
+    log-probs are of the model's own distribution (before temperature and
+    top-p), as OpenAI reports them; JSON has no -inf, so they are clamped."""
+    id_prefix = object = chunk_object = ""
+
+    def __init__(self, server: "OpenAIServer", num_top_logprobs: Optional[int]):
+        self.server, self.num_top_logprobs = server, num_top_logprobs
+        self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
+
+    def envelope(self, object: str, choices: list, usage: Optional[dict] = None) -> dict:
+        body = {"id": self.id, "object": object, "created": self.created,
+                "model": self.server.model_name, "choices": choices}
+        return body if usage is None else {**body, "usage": usage}
+
+    def token_logprobs(self, e: TokenEvent):
+        """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
+        for token, (logprob, top) in zip(e.token_ids, e.logprobs):
+            top = list(top.items())[:self.num_top_logprobs]     # sorted, likeliest first
+            yield (self.server.token_text(token), max(logprob, -9999.0),
+                   [(self.server.token_text(t), max(lp, -9999.0)) for t, lp in top])
+
+
+class _CompletionShape(_Shape):
+    """The legacy completions shape; `echo` puts the prompt in front of the text."""
+    id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+
+    def __init__(self, server, num_top_logprobs, echo: str):
+        super().__init__(server, num_top_logprobs)
+        self.echo, self.offsets = echo, {}   # choice -> text_offset of its next token
+
+    def opening(self, i: int) -> list:
+        return [self.choice(TokenEvent(i, self.echo))] if self.echo else []
+
+    def choice(self, e: TokenEvent, final: bool = False) -> dict:
+        return {"index": e.index, "text": self.echo + e.text if final else e.text,
+                "logprobs": self.logprobs(e) if self.num_top_logprobs is not None else None,
+                "finish_reason": e.finish_reason}
+
+    def logprobs(self, e: TokenEvent) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for text, logprob, top in self.token_logprobs(e):
+            offset = self.offsets.get(e.index, len(self.echo))
+            self.offsets[e.index] = offset + len(text)
+            for key, value in zip(out, (text, logprob, dict(top), offset)):
+                out[key].append(value)
+        return out
+
+
+class _ChatShape(_Shape):
+    """The chat shape. A stream opens each choice with the assistant's role,
+    sends content deltas, then an empty delta that carries the finish_reason."""
+    id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def opening(self, i: int) -> list:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None}]
+
+    def choice(self, e: TokenEvent, final: bool = False) -> dict:
+        message = {"role": "assistant", "content": e.text} if final \
+            else {"content": e.text} if e.token_ids else {}
+        return {"index": e.index, "message" if final else "delta": message,
+                "logprobs": self.logprobs(e), "finish_reason": e.finish_reason}
+
+    def logprobs(self, e: TokenEvent) -> Optional[dict]:
+        if self.num_top_logprobs is None or not e.token_ids:
+            return None
+        def entry(text, logprob):
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
+                            for text, logprob, top in self.token_logprobs(e)]}
+
+
+def _sse(body: dict) -> str:
+    """One server-sent event, the framing of OpenAI's streams."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that always closes its generator. Starlette cancels
+    the response when the client disconnects; if that lands between two chunks
+    the generator would wait for the garbage collector, and only closing it
+    runs its `finally` (which aborts the request) now."""
+
+    def __init__(self, body):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, but cancel it if the client hangs up first (None then).
+    uvicorn does not cancel a handler whose client has left, so without this a
+    non-streamed request would hold its KV blocks until max_tokens."""
+    async def disconnected():         # the body is read: what comes next is the hang-up
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:                          # also when this handler itself is cancelled
+        watch.cancel()
+        task.cancel()                 # a no-op once it is done
+    return None if task.cancelled() else task.result()
+
+
+# -- the app --
+
+class OpenAIServer:
+    """The routes over one AsyncEngine. Handlers run on the event loop: they
+    parse and validate (engine.encode and engine.validate read only the config
+    and tokenizer, so they are safe here), then await AsyncEngine.generate."""
+
+    def __init__(self, engine: AsyncEngine, api_key: Optional[str]):
+        self.engine, self.llm, self.api_key = engine, engine.engine, api_key
+        self.model_name = Path(self.llm.cfg.model).name
+        self.chat_template = ChatTemplate(self.llm.tokenizer_config)
+        self.created = int(time.time())
+
+    def routes(self) -> list:
+        # /health and /metrics stay open, so probes and scrapers need no key
+        return [Route("/health", self.health), Route("/metrics", self.metrics),
+                Route("/v1/models", self._keyed(self.models)),
+                Route("/v1/completions", self._keyed(self.completions), methods=["POST"]),
+                Route("/v1/chat/completions", self._keyed(self.chat), methods=["POST"])]
+
+    def _keyed(self, handler):
+        async def checked(request: Request):
+            given = request.headers.get("authorization", "").encode()
+            # compare_digest: the time it takes says nothing about the key
+            if self.api_key and not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                               code="invalid_api_key")
+            return await handler(request)
+        return checked
+
+    def token_text(self, token: int) -> str:
+        tokenizer = self.llm.tokenizer
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
+
+    async def health(self, request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "nanoserve", "max_model_len": self.llm.cfg.max_model_len}]})
+
+    async def metrics(self, request: Request) -> Response:
+        s = self.engine.stats
+        values = [("requests_running", "gauge", s["num_running"]),
+                  ("requests_waiting", "gauge", s["num_waiting"]),
+                  ("kv_blocks_used", "gauge", s["num_blocks"] - s["num_free_blocks"]),
+                  ("kv_blocks_total", "gauge", s["num_blocks"]),
+                  ("kv_blocks_cached", "gauge", s["num_cached_blocks"]),  # free, prefix kept
+                  ("generated_tokens_total", "counter", s["num_generated_tokens"]),
+                  ("prompt_tokens_total", "counter", s["num_prompt_tokens"]),
+                  ("prefix_cache_hit_tokens_total", "counter", s["num_cached_tokens"]),
+                  ("preemptions_total", "counter", s["num_preemptions"])]
+        lines = [f"# TYPE nanoserve_{name} {kind}\nnanoserve_{name} {v}"
+                 for name, kind, v in values]
+        lines += self.engine.ttft.render() + self.engine.itl.render()
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._read(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, (str, list)):
+            raise APIError(400, "'prompt' must be a string, a list of token ids or a list of "
+                                "one string", param="prompt")
+        try:
+            prompt_ids = self.llm.encode(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt")
+        num_top = _param(body, "logprobs", int)
+        params = parse_sampling_params(body, _param(body, "max_tokens", int, 16), num_top)
+        self._validate(body, prompt_ids, params)
+        echo = "" if not _param(body, "echo", bool, False) \
+            else prompt if isinstance(prompt, str) else self.llm.decode(prompt_ids)
+        return await self._respond(request, body, _CompletionShape(self, num_top, echo),
+                                   prompt_ids, params)
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._read(request)
+        text = self.chat_template.render(_parse_messages(body))
+        # the template has written the special tokens: encode must not add its own
+        prompt_ids = self.llm.tokenizer.encode(text, add_special_tokens=False).ids
+        room = max(1, self.llm.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
+        max_tokens = _param(body, "max_completion_tokens", int,
+                            _param(body, "max_tokens", int, room))
+        num_top = _param(body, "top_logprobs", int, 0) if _param(body, "logprobs", bool) else None
+        params = parse_sampling_params(body, max_tokens, num_top)
+        self._validate(body, prompt_ids, params)
+        return await self._respond(request, body, _ChatShape(self, num_top), prompt_ids, params)
+
+    async def _read(self, request: Request) -> dict:
+        try:
+            # parse_constant: NaN and Infinity are Python's extension, not JSON
+            body = json.loads(await request.body(), parse_constant=_reject_constant)
+        except ValueError as e:       # JSONDecodeError, UnicodeDecodeError
+            raise APIError(400, f"the body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        model = _param(body, "model", str)
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+        return body
+
+    def _validate(self, body: dict, prompt_ids: list, params: list):
+        try:
+            self.llm.validate(prompt_ids, params[0])       # the choices differ only by seed
+        except ValueError as e:
+            name = str(e).split()[0]  # validate's messages start with their field, if any
+            raise APIError(400, str(e), param=name if name in body else None)
+
+    async def _respond(self, request: Request, body: dict, shape: _Shape, prompt_ids: list,
+                       params: list) -> Response:
+        stream = _param(body, "stream", bool, False)
+        include_usage = _param(_param(body, "stream_options", dict, {}), "include_usage", bool)
+        events = self.engine.generate(prompt_ids, params)
+        if stream:
+            return _EventStream(self._stream(shape, events, len(params), len(prompt_ids),
+                                             include_usage))
+        result = await _unless_disconnected(
+            request, self._collect(shape, events, len(params), len(prompt_ids)))
+        return Response(status_code=499) if result is None else JSONResponse(result)
+
+    async def _collect(self, shape: _Shape, events, n: int, num_prompt_tokens: int) -> dict:
+        choices = [TokenEvent(i) for i in range(n)]
+        async with aclosing(events):
+            async for e in events:
+                c = choices[e.index]
+                c.text, c.finish_reason = c.text + e.text, e.finish_reason
+                c.token_ids += e.token_ids
+                c.logprobs += e.logprobs
+        usage = _usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices))
+        return shape.envelope(shape.object, [shape.choice(c, final=True) for c in choices], usage)
+
+    async def _stream(self, shape: _Shape, events, n: int, num_prompt_tokens: int,
+                      include_usage: bool):
+        def chunk(choices, usage=None):
+            return _sse(shape.envelope(shape.chunk_object, choices, usage))
+        num_completion_tokens = 0
+        async with aclosing(events):
+            try:
+                for i in range(n):
+                    for choice in shape.opening(i):
+                        yield chunk([choice])
+                async for e in events:
+                    num_completion_tokens += len(e.token_ids)
+                    # a token whose text is held back still carries its log-probs
+                    if e.text or (shape.num_top_logprobs is not None and e.token_ids):
+                        yield chunk([shape.choice(dataclasses.replace(e, finish_reason=None))])
+                    if e.finish_reason is not None:
+                        last = TokenEvent(e.index, finish_reason=e.finish_reason)
+                        yield chunk([shape.choice(last)])
+                if include_usage:
+                    yield chunk([], _usage(num_prompt_tokens, num_completion_tokens))
+            except APIError as e:     # the status line is gone: the error is an event
+                yield _sse(e.body)
+            except Exception as e:
+                traceback.print_exc()
+                yield _sse(APIError(500, f"internal error: {e!r}", "internal_error").body)
+        yield "data: [DONE]\n\n"
+
+
+async def _error_response(request: Request, e: Exception) -> Response:
+    """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong
+    method) and crashes, whose traceback Starlette logs while the client
+    gets one line."""
+    if isinstance(e, HTTPException):
+        e = APIError(e.status_code, e.detail)
+    elif not isinstance(e, APIError):
+        e = APIError(500, f"internal error: {type(e).__name__}", "internal_error")
+    return JSONResponse(e.body, status_code=e.status)
+
+
+def build_app(engine, api_key: Optional[str] = None) -> Starlette:
+    """The app over a Config, an LLMEngine or a running AsyncEngine (which
+    several apps may share). With api_key set, /v1/* needs 'Bearer api_key'."""
+    if isinstance(engine, Config):
+        engine = LLMEngine(engine)
+    if isinstance(engine, LLMEngine):
+        engine = AsyncEngine(engine)
+    server = OpenAIServer(engine, api_key)
+    return Starlette(routes=server.routes(), exception_handlers={
+        kind: _error_response for kind in (APIError, HTTPException, Exception)})
+
+
+def serve(cfg: Config):
+    engine = AsyncEngine(LLMEngine(cfg))
+    print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
+          + (" (API key required)" if cfg.api_key else ""), flush=True)
+    try:
+        uvicorn.run(build_app(engine, cfg.api_key), host=cfg.host, port=cfg.port,
+                    log_level="warning")
+    finally:
+        engine.shutdown()
 
 
 # ---------------------------------------------------------------------------

@@ -10,10 +10,17 @@ one at a time, chunked prefill == whole prefill, preempted == not preempted,
 and every KV block back in the pool afterwards.
 """
 
+import asyncio
 import os
+import socket
+import threading
+import time
 
+import httpx
 import pytest
 import torch
+import uvicorn
+from openai import APIStatusError, AsyncOpenAI, OpenAI
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
@@ -21,6 +28,7 @@ if not torch.cuda.is_available():
 import download
 import nanoserve as ns
 import paged_attention as pa
+from nanoserve import DEFAULT_MODEL, AsyncEngine, Config, LLMEngine, build_app
 
 SMOL_DIR = ns.DEFAULT_MODEL
 CUDA = torch.cuda.is_available()
@@ -326,7 +334,7 @@ def sampling_batch(temps, top_ks=None, top_ps=None, gens=()):
         temperatures=torch.tensor(temps, dtype=torch.float32),
         top_ks=torch.tensor(top_ks or [10 ** 6] * B), top_ps=torch.tensor(top_ps or [1.0] * B),
         generators=list(gens), all_greedy=all(t == 0 for t in temps),
-        needs_top_k_top_p=top_ks is not None or top_ps is not None, max_logprobs=0)
+        needs_top_k_top_p=top_ks is not None or top_ps is not None, max_logprobs=None)
 
 
 def test_top_k_top_p_masks_are_exact():
@@ -632,3 +640,378 @@ def test_decode_cuda_graph():
     ref = pa.paged_attention_decode_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
                                         lens, hd ** -0.5)
     compare(out, ref, torch.bfloat16, "decode replayed from a CUDA graph")
+
+
+# ---------------------------------------------------------------------------
+# The HTTP server, end to end: a real uvicorn server on 127.0.0.1 in this
+# process, the default model, and the official openai client (raw httpx for
+# the malformed requests the client would refuse to send). Texts are greedy
+# (one seeded test aside), so "the same request" has one right answer:
+# streamed must equal non-streamed, and a request in a batch of 32 must equal
+# itself run alone.
+
+MODEL = os.path.basename(DEFAULT_MODEL)
+KEY = "sk-test-key"
+GREEDY_REQUEST = dict(model=MODEL, temperature=0, max_tokens=8)
+
+
+class ServerThread:
+    """uvicorn on a free port of 127.0.0.1, in a thread of this process."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    num_threads = torch.get_num_threads()
+    if not torch.cuda.is_available():
+        # A shared CPU: one intra-op thread keeps OpenMP workers from spinning
+        # against other processes (5-10x faster on a loaded 2-core machine).
+        torch.set_num_threads(1)
+    engine = AsyncEngine(LLMEngine(Config(model=DEFAULT_MODEL, device="cpu")))
+    yield engine
+    engine.shutdown()
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = ServerThread(build_app(engine))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(engine):
+    """A second app over the same engine thread, this one behind an API key."""
+    srv = ServerThread(build_app(engine, api_key=KEY))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(server) -> dict:
+    """/metrics as {series: value}, e.g. {'nanoserve_kv_blocks_used': 0.0}."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def wait_idle(server, timeout=20) -> dict:
+    """Poll /metrics until nothing runs and no KV block is held."""
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(server)
+        if m["nanoserve_requests_running"] == 0 and m["nanoserve_requests_waiting"] == 0 \
+                and m["nanoserve_kv_blocks_used"] == 0:
+            return m
+        assert time.time() < deadline, f"not idle after {timeout}s: {m}"
+        time.sleep(0.1)
+
+
+def stream_completion(client, **kw):
+    """(text, finish_reason, usage, chunks) of a streamed completion."""
+    chunks = list(client.completions.create(stream=True, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
+    return text, finish, chunks[-1].usage, chunks
+
+
+def stream_chat(client, **kw):
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def assert_error(response, status, type="invalid_request_error"):
+    assert response.status_code == status, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert error["type"] == type, error
+    return error
+
+
+# -- small endpoints --
+
+def test_health_models_metrics(server, client):
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200 and r.text == "ok"
+    [model] = client.models.list().data
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "nanoserve"
+    m = metrics(server)
+    for name in ["nanoserve_requests_running", "nanoserve_requests_waiting",
+                 "nanoserve_kv_blocks_used", "nanoserve_kv_blocks_total",
+                 "nanoserve_generated_tokens_total", "nanoserve_preemptions_total",
+                 "nanoserve_prefix_cache_hit_tokens_total",
+                 'nanoserve_time_to_first_token_seconds_bucket{le="+Inf"}',
+                 "nanoserve_time_to_first_token_seconds_sum",
+                 "nanoserve_time_to_first_token_seconds_count",
+                 'nanoserve_inter_token_latency_seconds_bucket{le="+Inf"}',
+                 "nanoserve_inter_token_latency_seconds_count"]:
+        assert name in m, name
+    assert m["nanoserve_kv_blocks_total"] > 0
+
+
+# -- completions and chat, streamed and not --
+
+def test_completion(server, client, engine):
+    prompt = "The capital of France is"
+    before = metrics(server)
+    r = client.completions.create(prompt=prompt, **GREEDY_REQUEST)
+    num_prompt_tokens = len(engine.engine.encode(prompt))    # reads only the tokenizer
+    assert r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (num_prompt_tokens, 8, num_prompt_tokens + 8)
+    text, finish, usage, chunks = stream_completion(
+        client, prompt=prompt, stream_options={"include_usage": True}, **GREEDY_REQUEST)
+    print(f"non-streamed {r.choices[0].text!r}, streamed {text!r}")
+    assert text == r.choices[0].text and finish == ["length"]
+    assert usage == r.usage and chunks[-1].choices == []
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    # the histograms saw these tokens: 2 first tokens, 2 * 7 gaps
+    after = metrics(server)
+    ttft, itl = ("nanoserve_time_to_first_token_seconds_count",
+                 "nanoserve_inter_token_latency_seconds_count")
+    assert after[ttft] - before[ttft] == 2 and after[itl] - before[itl] == 14
+    tokens = "nanoserve_generated_tokens_total"
+    assert after[tokens] - before[tokens] == 16
+
+
+def test_chat(client):
+    transformers = pytest.importorskip("transformers")
+    messages = [{"role": "user", "content": "Write a poem about the sea."}]
+    r = client.chat.completions.create(messages=messages, **GREEDY_REQUEST)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and c.message.role == "assistant" and c.message.content
+    # the prompt is the model's own template, rendered as transformers renders it
+    reference = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert r.usage.prompt_tokens == len(reference) and r.usage.completion_tokens == 8
+    text, chunks = stream_chat(client, messages=messages, stream_options={"include_usage": True},
+                               **GREEDY_REQUEST)
+    print(f"non-streamed {c.message.content!r}, streamed {text!r}")
+    assert text == c.message.content
+    first, last = chunks[0].choices[0], chunks[-2].choices[0]    # then the usage chunk
+    assert first.delta.role == "assistant" and first.delta.content == ""
+    assert last.finish_reason == c.finish_reason == "length"
+    assert last.delta.content is None and last.delta.role is None
+    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+
+
+def test_stop_string(client):
+    prompt = "Count: one, two, three, four,"
+    full = client.completions.create(prompt=prompt, **{**GREEDY_REQUEST, "max_tokens": 12}).choices[0].text
+    stop = full.split()[2]             # a word from the middle of the greedy text
+    r = client.completions.create(prompt=prompt, stop=[stop], **{**GREEDY_REQUEST, "max_tokens": 12})
+    text, finish, _, _ = stream_completion(client, prompt=prompt, stop=stop,
+                                           **{**GREEDY_REQUEST, "max_tokens": 12})
+    print(f"full {full!r}, stop {stop!r}, cut {r.choices[0].text!r}")
+    assert r.choices[0].text == full[:full.index(stop)] == text
+    assert stop not in text and r.choices[0].finish_reason == "stop" and finish == ["stop"]
+
+
+def test_utf8_stream(client):
+    """A character split over several tokens is sent whole, in one piece."""
+    prompt = "Translate to Japanese and Chinese with emoji: I love cats 🐱 ->"
+    text, _, _, chunks = stream_completion(client, prompt=prompt, logprobs=0,
+                                           **{**GREEDY_REQUEST, "max_tokens": 16})
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens]
+    print(f"pieces {pieces!r}\ntokens {tokens!r}")
+    assert any("\ufffd" in t for t in tokens), "no split character: the test proves nothing"
+    assert all("\ufffd" not in p for p in pieces)
+    r = client.completions.create(prompt=prompt, **{**GREEDY_REQUEST, "max_tokens": 16})
+    assert text == r.choices[0].text
+
+
+def test_n_seed_logprobs_echo(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7, n=2,
+              logprobs=0)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]   # seeded: reproducible
+    assert a.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in a.choices)
+    assert all(top == {} for c in a.choices for top in c.logprobs.top_logprobs)
+    r = client.completions.create(prompt="Hello, my name is", logprobs=2, echo=True, **GREEDY_REQUEST)
+    c, lp = r.choices[0], r.choices[0].logprobs
+    assert c.text.startswith("Hello, my name is")
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 8
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 2 and logprob <= 0 and abs(max(top.values()) - logprob) < 1e-4
+    assert lp.text_offset[0] == len("Hello, my name is")
+    assert lp.text_offset == sorted(lp.text_offset)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}],
+                                          logprobs=True, top_logprobs=0, **GREEDY_REQUEST)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(e.top_logprobs == [] and e.logprob <= 0 for e in content)
+
+
+# -- concurrency and aborts --
+
+def test_concurrent_streams_equal_alone(server, client):
+    """32 streams at once, each equal to the same request run alone."""
+    prompts = [f"{name} lives in" for name in ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank",
+                                               "Grace", "Heidi"]]
+    alone = {p: client.completions.create(prompt=p, **{**GREEDY_REQUEST, "max_tokens": 6}).choices[0].text
+             for p in prompts}
+    aclient = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                          timeout=300)
+
+    async def one(prompt):
+        stream = await aclient.completions.create(prompt=prompt, stream=True,
+                                                  **{**GREEDY_REQUEST, "max_tokens": 6})
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        return await asyncio.gather(*[one(prompts[i % 8]) for i in range(32)])
+
+    texts = asyncio.run(all_of_them())
+    for i, text in enumerate(texts):
+        assert text == alone[prompts[i % 8]], (i, text, alone[prompts[i % 8]])
+    wait_idle(server)
+
+
+def test_abort_mid_stream_frees_blocks(server, client):
+    idle = wait_idle(server)
+    stream = client.completions.create(prompt="Write a long story about a dragon.", stream=True,
+                                       **{**GREEDY_REQUEST, "max_tokens": 2000},
+                                       extra_body={"ignore_eos": True})
+    for _, chunk in zip(range(2), stream):
+        pass
+    assert metrics(server)["nanoserve_kv_blocks_used"] > 0
+    stream.close()
+    after = wait_idle(server)          # running 0, blocks back, long before 2000 tokens
+    tokens = "nanoserve_generated_tokens_total"
+    assert after[tokens] - idle[tokens] < 100
+
+
+def test_abort_non_streamed_on_disconnect(server):
+    wait_idle(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=3,
+                   json={"prompt": "Write a long story about a dragon.", "max_tokens": 2000,
+                         "temperature": 0, "ignore_eos": True})
+    wait_idle(server)
+
+
+# -- errors --
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": 4}, "prompt"),                               # prompt missing
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": ""}, None),                                      # empty
+    ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 1.5}, "n"),
+    ({"prompt": "hi", "stop": 5}, "stop"),
+    ({"prompt": "hi", "stop": ["ok", 3]}, "stop"),
+    ({"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ({"prompt": "hi", "max_tokens": 100_000}, None),             # over the context window
+]
+BAD_CHATS = [
+    {},
+    {"messages": []},
+    {"messages": "hi"},
+    {"messages": [{"role": "user"}]},
+    {"messages": [{"role": 1, "content": "hi"}]},
+    {"messages": ["hi"]},
+]
+
+
+def test_bad_requests(server, engine):
+    idle = wait_idle(server)
+    url = server.url + "/v1/completions"
+    for body, param in BAD_COMPLETIONS:
+        error = assert_error(httpx.post(url, json=body), 400)
+        assert error["param"] == param, (body, error)
+    error = assert_error(httpx.post(url, json={"prompt": "hi", "max_tokens": 100_000}), 400)
+    assert "100000" in error["message"] and str(engine.engine.cfg.max_model_len) in error["message"]
+    for body in BAD_CHATS:
+        assert_error(httpx.post(server.url + "/v1/chat/completions", json=body), 400)
+    for raw in [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe", b'{"prompt": "hi", "top_p": NaN}']:
+        assert_error(httpx.post(url, content=raw), 400)
+    error = assert_error(httpx.post(url, json={"prompt": "hi", "model": "gpt-4"}), 404)
+    assert error["code"] == "model_not_found"
+    assert_error(httpx.get(server.url + "/v1/nothing"), 404)
+    assert wait_idle(server)["nanoserve_generated_tokens_total"] == \
+        idle["nanoserve_generated_tokens_total"]      # nothing ran, nothing leaked
+
+
+def test_api_key(keyed_server):
+    url = keyed_server.url
+    assert httpx.get(url + "/health").status_code == 200
+    for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}]:
+        assert_error(httpx.get(url + "/v1/models", headers=headers), 401)
+    with pytest.raises(APIStatusError) as e:
+        OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert e.value.status_code == 401
+    good = OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    assert good.models.list().data[0].id == MODEL
+    r = good.completions.create(prompt="Hi", **{**GREEDY_REQUEST, "max_tokens": 2})
+    assert r.usage.completion_tokens == 2
+
+
+def test_engine_errors_fail_one_request(server, client, engine, monkeypatch):
+    """An exception in add_request or in a step fails only the requests it
+    touches (a 500 with an OpenAI body, or an error event in a stream); the
+    engine thread keeps serving."""
+    llm = engine.engine
+    for owner, name in [(llm, "add_request"), (llm.runner, "execute")]:
+        original = getattr(owner, name)
+
+        def fail_once(*args, _owner=owner, _name=name, _original=original, **kw):
+            monkeypatch.setattr(_owner, _name, _original)
+            raise RuntimeError("injected failure")
+
+        monkeypatch.setattr(owner, name, fail_once)
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        assert "injected failure" in assert_error(r, 500, "internal_error")["message"]
+        r = client.completions.create(prompt="Hello", **{**GREEDY_REQUEST, "max_tokens": 3})
+        assert r.choices[0].finish_reason == "length"     # served as if nothing had happened
+        wait_idle(server)
+    monkeypatch.setattr(llm, "validate", lambda ids, params: {}["crash"])   # a handler bug
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello"})
+    assert "KeyError" in assert_error(r, 500, "internal_error")["message"]
+    assert "Traceback" not in r.text
+    monkeypatch.undo()
+    monkeypatch.setattr(llm.runner, "execute", lambda batch: 1 / 0)
+    with pytest.raises(Exception, match="ZeroDivisionError"):
+        stream_completion(client, prompt="Hello", **{**GREEDY_REQUEST, "max_tokens": 3})
+    monkeypatch.undo()
+    wait_idle(server)

@@ -1,0 +1,1117 @@
+"""
+Benchmarks for nanoserve, each next to a baseline run in the same process on
+the same inputs.
+
+    throughput  offline generation of many random requests: nanoserve against
+                transformers `generate` (static batches), transformers
+                `generate_batch` (its continuous batching) and vLLM if installed
+    latency     batch-1 decode (ms/token, GB/s), prefill (TFLOP/s), and decode
+                tok/s as the batch grows; nanoserve against transformers
+    serve       the HTTP server under Poisson arrivals and a closed loop:
+                TTFT and inter-token latency percentiles
+    kernel      the paged-attention decode kernel against its torch reference
+                and SDPA on contiguous K/V, over batch x context
+    prefix      shared-prefix requests with prefix caching on and off
+
+Every number is taken after a warm-up and with the device synchronized, and
+each setting prints one line with a hardware-relative figure next to the raw
+one: GB/s and % of the device copy bandwidth for decode (measured at start-up
+in the same run), TFLOP/s and % of a measured matmul (bf16 on the GPU) for
+prefill. Speed does not depend on weight values, so `--random llama-3.2-1b`
+builds Llama-3.2-1B's exact shapes with random weights (no download needed).
+
+Left out on purpose: accuracy (see the tests), multi-GPU, sampling
+(everything decodes greedily with EOS ignored, so each request generates
+exactly the tokens it asked for).
+
+GPU (H100/H200; the model defaults to --random llama-3.2-1b there):
+    python bench.py throughput --hf-num-seqs 64 --json bench_out/throughput.json
+    python bench.py latency --json bench_out/latency.json
+    python bench.py serve --json bench_out/serve.json      # rates 1,4,16,64,inf + 64 clients
+    python bench.py kernel --json bench_out/kernel.json
+    python bench.py prefix --json bench_out/prefix.json
+  (throughput without --hf-num-seqs runs transformers on all 256 requests:
+  several minutes more; --model DIR runs a real checkpoint instead)
+
+CPU smoke (checks that every path runs, in under a minute each; the numbers
+mean nothing):
+    python bench.py throughput --device cpu --random tiny
+    python bench.py latency --device cpu --random tiny
+    python bench.py serve --device cpu --random tiny
+    python bench.py prefix --device cpu --random tiny
+    TRITON_INTERPRET=1 python bench.py kernel --device cpu
+
+Dimension letters: B sequences in a batch, T tokens of one sequence, n_heads
+query heads, n_kv key/value heads, hd head dim, V vocabulary, D hidden size.
+"""
+
+import argparse
+import asyncio
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Every model here is a local folder: never ask the hub (the GPU machine has no
+# network, and transformers probes the hub for optional attention kernels).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO_DIR = Path(__file__).resolve().parent
+RESULTS = []  # every report(), written by --json
+
+# ---------------------------------------------------------------------------
+# Measuring
+# Timers that synchronize the device, and the two hardware ceilings every
+# result is compared with: copy bandwidth (decode is bound by reading memory)
+# and matmul throughput (prefill is bound by math).
+
+
+def log(msg):
+    print(f"[bench] {msg}", flush=True)
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    """Wall seconds of one call of fn, the device synchronized on both sides."""
+    sync(device)
+    t0 = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - t0, result
+
+
+def mean_seconds(fn, device, iters):
+    """Mean over iters back-to-back calls after one warm-up call: the sync at
+    each end is paid once, not per call."""
+    fn()
+    return timed(lambda: [fn() for _ in range(iters)], device)[0] / iters
+
+
+def measure_copy_gbps(device):
+    """Device-to-device copy of a buffer far larger than any cache; a copy
+    reads and writes every byte, so both count (the usual convention)."""
+    cuda = str(device).startswith("cuda")
+    nbytes = (1 << 30) if cuda else (1 << 27)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = mean_seconds(lambda: dst.copy_(src), device, 20 if cuda else 5)
+    return 2 * nbytes / seconds / 1e9
+
+
+def measure_matmul_tflops(device, dtype):
+    n = 8192 if str(device).startswith("cuda") else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = mean_seconds(lambda: a @ b, device, 10)
+    return 2 * n**3 / seconds / 1e12
+
+
+def hardware_info(device, dtype):
+    log("measuring copy bandwidth and matmul throughput")
+    cuda = str(device).startswith("cuda")
+    info = {
+        "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or 'unknown'}, "
+                                                            f"{torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": _version("triton"),
+        "copy_GB_s": measure_copy_gbps(device),
+        "matmul_TFLOP_s": measure_matmul_tflops(device, dtype),
+        "matmul_dtype": str(dtype).replace("torch.", ""),
+    }
+    free_memory()
+    log(f"{info['device']}: copy {info['copy_GB_s']:.0f} GB/s, "
+        f"{info['matmul_dtype']} matmul {info['matmul_TFLOP_s']:.3g} TFLOP/s")
+    return info
+
+
+def _version(module):
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def free_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def percentile(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100  # linear interpolation between closest ranks
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# One aligned line per (system, setting); the same numbers go to --json.
+
+
+def record(system, setting, **numbers):
+    RESULTS.append({"system": system, "setting": setting, **numbers})
+
+
+def _fmt(v):
+    if isinstance(v, int):
+        return f"{v:>8d}"
+    if isinstance(v, float):
+        if v != 0 and abs(v) < 0.01:
+            return f"{v:>8.1e}"
+        return f"{v:>8.1f}" if abs(v) >= 100 else f"{v:>8.2f}"
+    return str(v)
+
+
+def report(system, setting, **numbers):
+    record(system, setting, **numbers)
+    cells = "  ".join(f"{k} {_fmt(v)}" for k, v in numbers.items())
+    print(f"{system:<28} {setting:<40} {cells}", flush=True)
+
+
+def write_json(path, mode, args, hardware):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    doc = {"mode": mode, "args": vars(args), "hardware": hardware, "results": RESULTS}
+    Path(path).write_text(json.dumps(_jsonable(doc), indent=1))
+    log(f"wrote {path}")
+
+
+def _jsonable(x):
+    """Strict JSON: inf and nan become strings ("inf" rate, "nan" for no data), torch dtypes their names."""
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x if isinstance(x, (int, float, str, bool, type(None))) else str(x)
+
+
+def save_plot(fig, out_dir, name):
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+def log2_xaxis(ax, values):
+    """A log-2 x axis labelled with the values measured, not powers of ten."""
+    from matplotlib.ticker import NullLocator
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(values), [str(v) for v in sorted(values)])
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+# ---------------------------------------------------------------------------
+# Models
+# A random-weight Llama with real shapes is saved once as safetensors with a
+# synthetic tokenizer ("<t{id}>" for every id), so the server can detokenize
+# random token ids. ModelShape holds the sizes the GB/s and FLOP counts need.
+
+RANDOM_MODELS = {
+    "llama-3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        bos_token_id=128000, eos_token_id=128001),
+    # head_dim 16: the smallest the Triton kernels take (tl.dot needs >= 16)
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2),
+}
+
+
+def write_tokenizer(path, vocab_size, bos_id, eos_id, max_len):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": f"<t{bos_id}>",
+        "eos_token": f"<t{eos_id}>", "unk_token": "<t0>", "model_max_length": max_len}, indent=1))
+
+
+def build_random_model(name, out_dir, device):
+    """Build, save and return the folder of a random-weight model; reused when present."""
+    path = Path(out_dir) / f"random-{name}"
+    if (path / "tokenizer.json").is_file() and any(path.glob("*.safetensors")):
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+    log(f"building random {name} on {device} into {path}")
+    spec = RANDOM_MODELS[name]
+    torch.manual_seed(0)
+    with torch.device(device):  # init on the device: seconds instead of minutes for 1B
+        model = LlamaForCausalLM(LlamaConfig(**spec))
+    tmp = path.with_name(path.name + ".tmp")  # rename at the end: no half-written model is reused
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to("cpu", torch.bfloat16).save_pretrained(tmp)
+    write_tokenizer(tmp, spec["vocab_size"], spec["bos_token_id"], spec["eos_token_id"],
+                    spec["max_position_embeddings"])
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    del model
+    free_memory()
+    return path
+
+
+@dataclass
+class ModelShape:
+    num_params: int        # every weight once (a tied lm_head counted once)
+    num_layer_params: int  # decoder layers only: the matmuls every token goes through
+    num_lookup_params: int  # an untied input embedding, of which a step reads only B rows; else 0
+    vocab_size: int        # V
+    hidden_size: int       # D
+    num_layers: int
+    num_heads: int         # n_heads
+    num_kv_heads: int      # n_kv
+    head_dim: int          # hd
+    dtype_bytes: int       # of the weights and the KV cache as run
+
+    @property
+    def kv_bytes_per_token(self):  # K and V of every layer
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def decode_step_bytes(self, B, ctx):
+        """Least bytes one decode step must read: every weight once (a tied
+        embedding as the lm_head), plus the KV of B sequences at mean context ctx."""
+        weights = (self.num_params - self.num_lookup_params) * self.dtype_bytes
+        return weights + B * ctx * self.kv_bytes_per_token
+
+    def prefill_flops(self, T):
+        """Matmul FLOPs of one T-token prefill: 2 per weight per token in the
+        layers, the lm_head for the last token only, and causal attention
+        (q k^T and p v over T^2 / 2 pairs each, 2 FLOPs per multiply-add)."""
+        attention = 2 * self.num_layers * self.num_heads * self.head_dim * T * T
+        return 2 * self.num_layer_params * T + 2 * self.vocab_size * self.hidden_size + attention
+
+    def generation_flops(self, num_prompt_tokens, num_output_tokens):
+        """Matmul FLOPs of a workload, attention left out: layers for every
+        token, the lm_head for every output token."""
+        per_output = 2 * (self.num_layer_params + self.vocab_size * self.hidden_size)
+        return 2 * self.num_layer_params * num_prompt_tokens + per_output * num_output_tokens
+
+
+def model_shape(model_dir, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):  # shapes without memory
+        model = AutoModelForCausalLM.from_config(cfg)
+    n_heads = cfg.num_attention_heads
+    return ModelShape(
+        num_params=sum(p.numel() for p in model.parameters()),
+        num_layer_params=sum(p.numel() for p in model.model.layers.parameters()),
+        num_lookup_params=0 if cfg.tie_word_embeddings else model.get_input_embeddings().weight.numel(),
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+        num_heads=n_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
+        dtype_bytes=dtype.itemsize)
+
+
+def load_hf_model(model_dir, args):
+    from transformers import AutoModelForCausalLM
+    log(f"loading transformers model from {model_dir}")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=args.torch_dtype).to(args.device).eval()
+
+
+def random_prompts(rng, vocab_size, lengths):
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+# ---------------------------------------------------------------------------
+# Systems
+# Each takes requests as (prompt token ids, exact number of output tokens),
+# decodes greedily with EOS ignored, and returns the wall seconds of the timed
+# part and the output tokens it counts per request. Warm-up is never timed.
+
+
+ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "attention",
+                "enforce_eager")  # passed to nanoserve only when set
+
+
+def make_llm(args, model_dir, **overrides):
+    from nanoserve import LLM
+    kwargs = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    kwargs.update(overrides)
+    log(f"starting nanoserve LLM({model_dir.name}, {kwargs})")
+    return LLM(str(model_dir), device=args.device, dtype=args.dtype, **kwargs)
+
+
+def nanoserve_generate(llm, prompts, max_tokens):
+    """Greedy, EOS ignored; max_tokens is one int or one per prompt."""
+    from nanoserve import SamplingParams
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in counts]
+    return llm.generate(prompts, params)
+
+
+def run_nanoserve(args, model_dir, requests):
+    llm = make_llm(args, model_dir)
+    nanoserve_generate(llm, [[1] * 16], 4)  # warm-up
+    seconds, outs = timed(lambda: nanoserve_generate(llm, [p for p, _ in requests],
+                                                     [n for _, n in requests]), args.device)
+    return seconds, [len(o.token_ids) for o in outs]
+
+
+def hf_generate(model, prompts, num_new_tokens):
+    """One static batch, left-padded so every row ends at the same position.
+    min_new_tokens == max_new_tokens masks EOS, so the batch runs exactly
+    num_new_tokens steps."""
+    T = max(len(p) for p in prompts)
+    pad = 0  # any id: masked out by attention_mask
+    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts], device=model.device)  # (B, T)
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=num_new_tokens,
+                             min_new_tokens=num_new_tokens, do_sample=False, pad_token_id=pad)
+    assert out.shape == (len(prompts), T + num_new_tokens), out.shape
+    return out
+
+
+def run_hf_generate(args, model_dir, requests):
+    """Static batching: requests go in arrival order in batches of
+    --hf-batch-size; a batch runs until its longest request is done, so short
+    requests idle in it. Only each request's own tokens count as output; the
+    wasted steps are the cost of static batching and stay in the time."""
+    model = load_hf_model(model_dir, args)
+    hf_generate(model, [[1] * 16], 4)  # warm-up
+    bs = args.hf_batch_size
+    sync(args.device)
+    t0 = time.perf_counter()
+    for i in range(0, len(requests), bs):
+        batch = requests[i:i + bs]
+        hf_generate(model, [p for p, _ in batch], max(n for _, n in batch))
+        log(f"  transformers-generate: {i + len(batch)}/{len(requests)} requests, "
+            f"{time.perf_counter() - t0:.1f} s")
+    sync(args.device)
+    return time.perf_counter() - t0, [n for _, n in requests]
+
+
+def hf_continuous_batching(model, requests):
+    """transformers' continuous batching (the engine behind generate_batch),
+    driven through its manager so each request gets its own max_new_tokens:
+    generate_batch itself takes one max_new_tokens for all. The manager is
+    sized and warmed up (CUDA graphs) on entering the context, before timing.
+    Returns (seconds, generated token counts)."""
+    from transformers import GenerationConfig
+    max_new = max(n for _, n in requests)
+    # eos_token_id=-1 matches no token: EOS is ignored, as in every system here
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1)
+    hints = {}
+    try:  # sizes the cache for this workload, as generate_batch does
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+        hints["workload_hints"] = WorkloadHints(max_prompt_length=max(len(p) for p, _ in requests),
+                                                max_generated_length=max_new, num_requests=len(requests))
+    except ImportError:
+        pass
+    if model.device.type == "cpu":
+        # Its default cache on cpu comes with a dense attention mask that takes
+        # half a minute to clear: a small one keeps the smoke test quick.
+        from transformers import ContinuousBatchingConfig
+        hints["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=256)
+    results = {}
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
+                                                   **hints) as manager:
+        t0 = time.perf_counter()
+        for i, (prompt, n) in enumerate(requests):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        while len(results) < len(requests):
+            out = manager.get_result(timeout=1)
+            if out is None and not manager.is_running():
+                raise RuntimeError(f"continuous batching stopped after {len(results)} requests")
+            if out is not None and out.is_finished():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                results[out.request_id] = len(out.generated_tokens)
+                if len(results) % max(1, len(requests) // 8) == 0:
+                    log(f"  transformers-generate_batch: {len(results)}/{len(requests)} requests, "
+                        f"{time.perf_counter() - t0:.1f} s")
+        seconds = time.perf_counter() - t0  # tokens reach the host before a result is queued
+    return seconds, [results[f"r{i}"] for i in range(len(requests))]
+
+
+def run_hf_generate_batch(args, model_dir, requests):
+    model = load_hf_model(model_dir, args)
+    hf_continuous_batching(model, [([1] * 16, 4), ([2] * 8, 8)])  # warm-up
+    return hf_continuous_batching(model, requests)
+
+
+def run_vllm(args, model_dir, requests):
+    import vllm
+    max_len = max(len(p) + n for p, n in requests) + 16
+    llm = vllm.LLM(model=str(model_dir), load_format="dummy", dtype=args.dtype, seed=0,
+                   max_model_len=max_len, gpu_memory_utilization=0.85)
+    greedy = lambda n: vllm.SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)  # noqa: E731
+    llm.generate([{"prompt_token_ids": [1] * 16}], [greedy(4)], use_tqdm=False)  # warm-up
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    seconds, outs = timed(lambda: llm.generate(prompts, [greedy(n) for _, n in requests]), args.device)
+    return seconds, [len(o.outputs[0].token_ids) for o in outs]
+
+
+SYSTEMS = {
+    "nanoserve": run_nanoserve,
+    "transformers-generate": run_hf_generate,
+    "transformers-generate_batch": run_hf_generate_batch,
+    "vllm": run_vllm,
+}
+
+
+DEFAULT_SYSTEMS = {
+    "throughput": [s for s in SYSTEMS if s != "vllm" or importlib.util.find_spec("vllm") is not None],
+    "latency": ["nanoserve", "transformers-generate"],
+}
+
+
+# ---------------------------------------------------------------------------
+# Mode: throughput
+# Random prompts and output lengths, uniform in the given ranges, seed 0;
+# every system sees the same requests. transformers may run on the first
+# --hf-num-seqs of them (it is slow); its setting then says so. mfu_pct is
+# the workload's matmul FLOPs (attention left out) per second, as % of the
+# measured matmul throughput.
+
+
+def throughput(args, model_dir, hw):
+    """Offline throughput of many random requests, against the baselines."""
+    shape = model_shape(model_dir, args.torch_dtype)
+    rng = random.Random(0)
+    lengths = [(rng.randint(args.min_input, args.max_input), rng.randint(args.min_output, args.max_output))
+               for _ in range(args.num_seqs)]
+    prompts = random_prompts(rng, shape.vocab_size, [n_in for n_in, _ in lengths])
+    requests = [(p, n_out) for p, (_, n_out) in zip(prompts, lengths)]
+    log(f"{len(requests)} requests: {sum(len(p) for p, _ in requests)} prompt tokens, "
+        f"{sum(n for _, n in requests)} output tokens")
+    base = f"in {args.min_input}-{args.max_input} out {args.min_output}-{args.max_output}"
+    bars = {}
+    for system in args.systems:
+        subset = requests
+        setting = f"{len(requests)} seqs {base}"
+        if system.startswith("transformers") and args.hf_num_seqs < len(requests):
+            subset = requests[:args.hf_num_seqs]
+            setting = f"first {len(subset)} of {len(requests)} {base}"
+        log(f"running {system} on {len(subset)} requests")
+        try:
+            seconds, counted = SYSTEMS[system](args, model_dir, subset)
+        except Exception:  # a failing baseline must not hide the others
+            traceback.print_exc()
+            log(f"{system} FAILED, skipped")
+            continue
+        finally:
+            free_memory()
+        asked = [n for _, n in subset]
+        if counted != asked:
+            log(f"WARNING {system}: generated {sum(counted)} tokens, asked for {sum(asked)}")
+        n_prompt, n_out = sum(len(p) for p, _ in subset), sum(min(c, a) for c, a in zip(counted, asked))
+        mfu = shape.generation_flops(n_prompt, n_out) / seconds / 1e12 / hw["matmul_TFLOP_s"]
+        report(system, setting, output_tok_s=n_out / seconds, total_tok_s=(n_prompt + n_out) / seconds,
+               mfu_pct=100 * mfu, seconds=seconds, num_seqs=len(subset))
+        bars[system if subset is requests else f"{system}\n(first {len(subset)})"] = n_out / seconds
+    plot_bars(bars, "output tokens/s", f"Offline throughput ({base})", args.out_dir, "throughput.png")
+
+
+def plot_bars(values, ylabel, title, out_dir, name):
+    if not values:
+        return
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(list(values), list(values.values()), color="tab:blue")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    save_plot(fig, out_dir, name)
+
+
+# ---------------------------------------------------------------------------
+# Mode: latency
+# (a) batch-1 decode, (b) prefill, (c) decode as the batch grows. For
+# nanoserve, (a) uses the request's own timestamps (first token -> last
+# token) and (b) its time to first token. transformers has no timestamps, so
+# prefill is the time of generate(max_new_tokens=1) and decode is
+# time(n tokens) - time(1 token) over n - 1 steps; (c) uses that difference
+# for both systems, so a batch's prefill never counts as decode time.
+
+
+def decode_line(system, setting, shape, hw, B, ctx, steps, seconds):
+    step = seconds / steps
+    gbps = shape.decode_step_bytes(B, ctx) / step / 1e9
+    report(system, setting, tok_s=B * steps / seconds, ms_per_step=1e3 * step, gb_s=gbps,
+           pct_copy=100 * gbps / hw["copy_GB_s"])
+    return B * steps / seconds
+
+
+def prefill_line(system, T, shape, hw, seconds):
+    tflops = shape.prefill_flops(T) / seconds / 1e12
+    report(system, f"prefill T={T}", tok_s=T / seconds, ttft_ms=1e3 * seconds, tflop_s=tflops,
+           pct_matmul=100 * tflops / hw["matmul_TFLOP_s"])
+
+
+def latency_nanoserve(args, model_dir, shape, hw, rng):
+    # Prefix caching off: repeated prompts of the decode-by-difference runs must
+    # be computed again. One step holds the longest prefill, so TTFT is one step.
+    llm = make_llm(args, model_dir, enable_prefix_caching=False,
+                   **({} if args.max_num_batched_tokens else
+                      {"max_num_batched_tokens": max(8192, max(args.prefill_lens))}))
+    nanoserve_generate(llm, random_prompts(rng, shape.vocab_size, [32, 48]), 8)  # warm-up
+    # -- (a) batch-1 decode --
+    o = nanoserve_generate(llm, random_prompts(rng, shape.vocab_size, [args.prompt_len]), args.decode_len)[0]
+    decode_line("nanoserve", f"decode B=1 T={args.prompt_len}+{args.decode_len}", shape, hw, 1,
+                args.prompt_len + args.decode_len / 2, len(o.token_ids) - 1,
+                o.finish_time - o.first_token_time)
+    # -- (b) prefill --
+    for T in args.prefill_lens:
+        ttfts = []
+        for _ in range(3):  # fresh prompts: nothing can come from a cache
+            o = nanoserve_generate(llm, random_prompts(rng, shape.vocab_size, [T]), 1)[0]
+            ttfts.append(o.first_token_time - o.arrival_time)
+        prefill_line("nanoserve", T, shape, hw, statistics.median(ttfts))
+    # -- (c) decode by batch size --
+    return {B: decode_by_difference(
+        "nanoserve", args, shape, hw, B, rng,
+        lambda prompts, n: nanoserve_generate(llm, prompts, n)) for B in args.batch_sizes}
+
+
+def latency_transformers(args, model_dir, shape, hw, rng):
+    model = load_hf_model(model_dir, args)
+    hf_generate(model, random_prompts(rng, shape.vocab_size, [32]), 8)  # warm-up
+    gen = lambda prompts, n: hf_generate(model, prompts, n)  # noqa: E731
+    # -- (a) batch-1 decode --
+    decode_by_difference("transformers-generate", args, shape, hw, 1, rng, gen, n=args.decode_len)
+    # -- (b) prefill --
+    for T in args.prefill_lens:
+        seconds = statistics.median(
+            timed(lambda: gen(random_prompts(rng, shape.vocab_size, [T]), 1), args.device)[0]
+            for _ in range(3))
+        prefill_line("transformers-generate", T, shape, hw, seconds)
+    # -- (c) decode by batch size --
+    return {B: decode_by_difference("transformers-generate", args, shape, hw, B, rng, gen)
+            for B in args.batch_sizes}
+
+
+def decode_by_difference(system, args, shape, hw, B, rng, gen, n=None):
+    n = n or args.batch_decode_len
+    prompts = random_prompts(rng, shape.vocab_size, [args.prompt_len] * B)
+    t_one, _ = timed(lambda: gen(prompts, 1), args.device)
+    t_all, _ = timed(lambda: gen(prompts, n), args.device)
+    return decode_line(system, f"decode B={B} T={args.prompt_len}+{n}", shape, hw, B,
+                       args.prompt_len + n / 2, n - 1, t_all - t_one)
+
+
+def latency(args, model_dir, hw):
+    """Batch-1 decode, prefill, and decode tok/s as the batch grows."""
+    shape = model_shape(model_dir, args.torch_dtype)
+    log(f"{shape.num_params / 1e6:.1f} M parameters, {shape.kv_bytes_per_token} KV bytes per token")
+    curves = {}
+    for system, fn in (("nanoserve", latency_nanoserve), ("transformers-generate", latency_transformers)):
+        if system not in args.systems:
+            continue
+        try:
+            curves[system] = fn(args, model_dir, shape, hw, random.Random(0))
+        except Exception:
+            traceback.print_exc()
+            log(f"{system} FAILED, skipped")
+        free_memory()
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system, curve in curves.items():
+        ax.plot(list(curve), list(curve.values()), marker="o", label=system)
+    log2_xaxis(ax, args.batch_sizes)
+    ax.set(yscale="log", xlabel="batch size", ylabel="decode tokens/s",
+           title=f"Decode throughput, prompt {args.prompt_len}, {args.batch_decode_len} new tokens")
+    ax.legend()
+    save_plot(fig, args.out_dir, "latency_batch.png")
+
+
+# ---------------------------------------------------------------------------
+# Mode: serve
+# The real server in a subprocess, driven over HTTP with streaming requests.
+# Open loop: Poisson arrivals at a fixed rate (exponential gaps, seeded), so
+# requests keep coming whether or not the server keeps up. Closed loop: a
+# fixed number of clients, each sending its next request when one finishes.
+# TTFT is send -> first content chunk; inter-token latency (ITL) is the gap
+# between consecutive content chunks of a stream.
+
+
+def start_server(args, model_dir, log_path):
+    with socket.socket() as s:  # a free port, chosen by the OS
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(REPO_DIR / "nanoserve.py"), "serve", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--device", args.device, "--dtype", args.dtype]
+    for k in ENGINE_FLAGS:
+        v = getattr(args, k)
+        if v is not None and v is not False:
+            cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    log(f"starting {' '.join(cmd)} (log: {log_path})")
+    with open(log_path, "w") as log_file:  # the child keeps its own copy of the handle
+        # start_new_session: the server and any child it spawns form one group we can stop
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc, url, log_path, timeout):
+    """Wait for /health, then return the model name the server expects."""
+    import httpx
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                models = httpx.get(f"{url}/v1/models", headers=_auth(), timeout=10).json()
+                return models["data"][0]["id"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy after {timeout} s:\n{_tail(log_path)}")
+
+
+def _auth():
+    key = os.environ.get("NANOSERVE_API_KEY")  # the server requires it when set
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def stop_server(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _tail(path, n=30):
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+
+
+async def stream_request(client, url, payload):
+    """One streaming completion: send time, content-chunk times, tokens, error."""
+    start, times, num_tokens = time.perf_counter(), [], None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                error = f"HTTP {resp.status_code}: {body[:200]}"
+                return dict(start=start, times=times, num_tokens=0, error=error)
+            async for line in resp.aiter_lines():  # SSE: "data: {json}" lines, blank lines between
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    num_tokens = chunk["usage"].get("completion_tokens", num_tokens)
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    times.append(time.perf_counter())
+    except Exception as e:  # a broken stream is a failed request, not a crashed benchmark
+        return dict(start=start, times=times, num_tokens=0, error=repr(e))
+    num_tokens = len(times) if num_tokens is None else num_tokens  # usage, when the server sends it
+    return dict(start=start, times=times, num_tokens=num_tokens, error=None)
+
+
+def _client(n):
+    import httpx
+    return httpx.AsyncClient(headers=_auth(), timeout=httpx.Timeout(600.0, connect=30.0),
+                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+
+async def open_loop(url, payloads, rate, seed):
+    rng = random.Random(seed)
+    async with _client(len(payloads)) as client:
+        t0, tasks = time.perf_counter(), []
+        for p in payloads:
+            tasks.append(asyncio.create_task(stream_request(client, url, p)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
+async def closed_loop(url, payloads, concurrency):
+    todo = iter(payloads)  # shared by the clients; asyncio runs one at a time
+
+    async def client_loop(client):
+        return [await stream_request(client, url, p) for p in todo]
+
+    async with _client(concurrency) as client:
+        t0 = time.perf_counter()
+        per_client = await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return [r for rs in per_client for r in rs], time.perf_counter() - t0
+
+
+def summarize_serve(setting, results, seconds, expected_tokens):
+    ok = [r for r in results if r["error"] is None and r["times"]]
+    failed = [r for r in results if r["error"] is not None or not r["times"]]
+    if failed:
+        log(f"WARNING {len(failed)} of {len(results)} requests failed, first: {failed[0]['error']}")
+    short = sum(r["num_tokens"] != expected_tokens for r in ok)
+    if short:
+        log(f"WARNING {short} streams did not return {expected_tokens} tokens")
+    ttft = [1e3 * (r["times"][0] - r["start"]) for r in ok]
+    itl = [1e3 * (b - a) for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    numbers = dict(req_s=len(ok) / seconds, output_tok_s=sum(r["num_tokens"] for r in ok) / seconds,
+                   ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
+                   itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99), num_failed=len(failed))
+    report("nanoserve-server", setting, **numbers)
+    return numbers
+
+
+def serve(args, model_dir, hw):
+    """The HTTP server under Poisson arrivals and a closed loop."""
+    vocab = model_shape(model_dir, args.torch_dtype).vocab_size
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    log_path = Path(args.out_dir) / "serve.log"
+    proc, url = start_server(args, model_dir, log_path)
+    points = []
+    try:
+        model_name = wait_healthy(proc, url, log_path, args.startup_timeout)
+        # Fresh prompts for every setting, so no setting is served from the prefix
+        # cache that an earlier one filled.
+        def payloads(seed, n):
+            rng = random.Random(seed)
+            return [{"model": model_name, "prompt": p, "max_tokens": args.output_len, "temperature": 0.0,
+                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                    for p in random_prompts(rng, vocab, [args.input_len] * n)]
+        asyncio.run(closed_loop(url, payloads(10_000, 4), 2))  # warm-up
+        lengths = f"in {args.input_len} out {args.output_len}"
+        for i, rate in enumerate(args.rates):
+            log(f"rate {rate} req/s: {args.num_requests} requests")
+            results, seconds = asyncio.run(open_loop(url, payloads(i, args.num_requests), rate, seed=i))
+            points.append((f"{rate:g}/s", summarize_serve(f"rate {rate:g}/s, {lengths}", results, seconds,
+                                                          args.output_len)))
+        if args.concurrency:
+            log(f"closed loop, {args.concurrency} clients: {args.num_requests} requests")
+            results, seconds = asyncio.run(closed_loop(url, payloads(1000, args.num_requests),
+                                                       args.concurrency))
+            points.append((f"c={args.concurrency}", summarize_serve(
+                f"concurrency {args.concurrency}, {lengths}", results, seconds, args.output_len)))
+    finally:
+        stop_server(proc)
+    plot_serve(points, args.out_dir)
+
+
+def plot_serve(points, out_dir):
+    if not points:
+        return
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "ttft", "time to first token"), (axes[1], "itl", "inter-token latency")):
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ax.plot([p["output_tok_s"] for _, p in points], [p[f"{key}_{q}_ms"] for _, p in points],
+                    style, label=q)
+        for label, p in points:
+            ax.annotate(label, (p["output_tok_s"], p[f"{key}_p50_ms"]), fontsize=7)
+        ax.set(xlabel="output tokens/s", ylabel="ms", title=title, yscale="log")
+        ax.legend()
+    save_plot(fig, out_dir, "serve_latency.png")
+
+
+# ---------------------------------------------------------------------------
+# Mode: kernel
+# The decode attention of one layer at Llama-3.2-1B shapes, over batch x
+# context. Block tables are a random permutation of the pool, as after hours
+# of serving. GB/s counts only the bytes the answer needs (K and V of every
+# context token once, plus q and out), so the three are comparable. On the
+# GPU, triton.testing.do_bench flushes the L2 cache before every timed call,
+# so even a small batch whose KV fits in L2 is read from memory each time.
+
+N_HEADS, N_KV, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
+REF_MAX_BATCH = 32  # the reference loops over sequences in Python: slow past this
+
+
+def paged_inputs(B, ctx, dtype, device, gen):
+    num_blocks_per_seq = -(-ctx // BLOCK_SIZE)
+    num_blocks = B * num_blocks_per_seq
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, N_KV, HEAD_DIM, generator=gen, device=device, dtype=dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, N_KV, HEAD_DIM, generator=gen, device=device, dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device=device)
+    block_tables = perm.view(B, num_blocks_per_seq).to(torch.int32)  # (B, max_blocks) shuffled
+    context_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(B, N_HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype)  # (B, n_heads, hd)
+    return q, k_cache, v_cache, block_tables, context_lens
+
+
+def gather_contiguous(cache, block_tables, ctx):
+    """The pool read through the block tables into one (B, n_kv, ctx, hd) tensor."""
+    return cache[block_tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+
+
+def kernel_row(pa, B, ctx, args, timer, run_triton, gen):
+    """Seconds per call of each implementation at (B, ctx), the bytes the
+    answer needs, and the Triton kernel's largest difference from SDPA."""
+    q, k_cache, v_cache, block_tables, context_lens = paged_inputs(B, ctx, args.torch_dtype, args.device, gen)
+    k, v = gather_contiguous(k_cache, block_tables, ctx), gather_contiguous(v_cache, block_tables, ctx)
+    q4 = q.unsqueeze(2)  # (B, n_heads, 1, hd)
+    # enable_gqa: each kv head serves its n_heads // n_kv query heads without copies
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q4, k, v, scale=HEAD_DIM ** -0.5, enable_gqa=True)
+    paged = (q, k_cache, v_cache, block_tables, context_lens, HEAD_DIM ** -0.5)
+    seconds = {"sdpa": timer(sdpa)}
+    err = float("nan")
+    if run_triton:
+        seconds["triton"] = timer(lambda: pa.paged_attention_decode(*paged))
+        err = (pa.paged_attention_decode(*paged).float() - sdpa().squeeze(2).float()).abs().max().item()
+    if B <= REF_MAX_BATCH:
+        seconds["ref"] = timer(lambda: pa.paged_attention_decode_ref(*paged), slow=True)
+    needed = (k.numel() + v.numel() + 2 * q.numel()) * args.torch_dtype.itemsize  # K, V, q and out
+    return seconds, needed, err
+
+
+def kernel(args, model_dir, hw):
+    """The paged decode-attention kernel against SDPA, over batch x context."""
+    try:
+        import paged_attention as pa
+    except ImportError as e:
+        log(f"kernel mode skipped: {e}")
+        return
+    cuda = args.device.startswith("cuda")
+    run_triton = cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if not run_triton:
+        log("Triton kernel skipped on cpu (set TRITON_INTERPRET=1 to run it in the interpreter)")
+    if cuda:
+        from triton.testing import do_bench
+        timer = lambda fn, slow=False: 1e-3 * do_bench(  # noqa: E731
+            fn, warmup=5 if slow else 25, rep=20 if slow else 100, return_mode="median")
+    else:
+        timer = lambda fn, slow=False: mean_seconds(fn, args.device, 1)  # noqa: E731
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    print(f"{'B':>4} {'ctx':>5} | {'triton us':>9} {'GB/s':>7} {'%copy':>5} | {'ref us':>9} | "
+          f"{'sdpa us':>9} {'GB/s':>7} {'%copy':>5} | {'max err':>7}", flush=True)
+    curves = {}
+    for B in args.batches:
+        for ctx in args.contexts:
+            if 2 * B * ctx * N_KV * HEAD_DIM * args.torch_dtype.itemsize > args.kv_cap_gb * 1e9:
+                continue
+            seconds, needed, err = kernel_row(pa, B, ctx, args, timer, run_triton, gen)
+            for name, t in seconds.items():
+                gbps = needed / t / 1e9
+                record(name, f"B={B} ctx={ctx}", us=1e6 * t, gb_s=gbps, pct_copy=100 * gbps / hw["copy_GB_s"],
+                       **({"max_err": err} if name == "triton" else {}))
+                curves.setdefault((name, B), {})[ctx] = gbps
+            ref = f"{1e6 * seconds['ref']:>9.1f}" if "ref" in seconds else f"{'-':>9}"
+            print(f"{B:>4} {ctx:>5} | {_cell(seconds.get('triton'), needed, hw)} | {ref} | "
+                  f"{_cell(seconds['sdpa'], needed, hw)} | {err:>7.1e}", flush=True)
+    free_memory()
+    print(f"max err: largest |triton - SDPA| of the output; GB/s: K, V, q and out bytes / time; "
+          f"%copy: of the measured {hw['copy_GB_s']:.0f} GB/s copy bandwidth")
+    plot_kernel(curves, hw, args.out_dir)
+
+
+def _cell(seconds, nbytes, hw):
+    if seconds is None:
+        return f"{'-':>9} {'-':>7} {'-':>5}"
+    gbps = nbytes / seconds / 1e9
+    return f"{1e6 * seconds:>9.1f} {gbps:>7.1f} {100 * gbps / hw['copy_GB_s']:>5.1f}"
+
+
+def plot_kernel(curves, hw, out_dir):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    batches = sorted({B for _, B in curves})
+    colors = dict(zip(batches, plt.cm.viridis([i / max(1, len(batches) - 1) for i in range(len(batches))])))
+    contexts = {ctx for c in curves.values() for ctx in c}
+    panels = ((axes[0], "triton", "Triton, paged K/V"), (axes[1], "sdpa", "SDPA, contiguous K/V"))
+    for ax, name, title in panels:
+        for B in batches:
+            if (name, B) in curves:
+                c = curves[(name, B)]
+                ax.plot(list(c), list(c.values()), marker="o", ms=3, color=colors[B], label=f"B={B}")
+        ax.axhline(hw["copy_GB_s"], color="gray", lw=1, ls="--", label="copy bandwidth")
+        log2_xaxis(ax, contexts)
+        ax.set(xlabel="context tokens", title=f"Decode attention: {title}")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("GB/s (K, V, q and out bytes / time)")
+    save_plot(fig, out_dir, "kernel.png")
+
+
+# ---------------------------------------------------------------------------
+# Mode: prefix
+# Requests that share one long prefix (a system prompt, few-shot examples).
+# With prefix caching, the prefix's KV blocks are computed once and shared.
+# "first call": all requests in one generate call on a fresh engine, so only
+# requests scheduled after the first prefix blocks are cached can reuse them.
+# "second call": the same prefix with new suffixes in a later call, when the
+# prefix is already in the cache. TTFT = arrival -> first token.
+
+
+def prefix_calls(args, model_dir, caching, calls, rng, vocab):
+    """Report both calls on one fresh engine; return their mean TTFTs (ms)."""
+    llm = make_llm(args, model_dir, enable_prefix_caching=caching)
+    # warm-up at the measured shapes, with unrelated prompts that share nothing
+    lengths = [args.prefix_len + args.suffix_len] * args.num_requests
+    nanoserve_generate(llm, random_prompts(rng, vocab, lengths), args.output_len)
+    means = {}
+    for call, prompts in zip(("first call", "second call"), calls):
+        seconds, outs = timed(lambda: nanoserve_generate(llm, prompts, args.output_len), args.device)
+        ttft = [1e3 * (o.first_token_time - o.arrival_time) for o in outs]
+        cached = sum(o.num_cached_tokens for o in outs) / sum(len(p) for p in prompts)
+        setting = f"caching {'on' if caching else 'off'}, {call}"
+        report("nanoserve", setting, ttft_mean_ms=statistics.mean(ttft), ttft_p50_ms=percentile(ttft, 50),
+               output_tok_s=sum(len(o.token_ids) for o in outs) / seconds, seconds=seconds,
+               cached_pct=100 * cached)
+        means[setting] = statistics.mean(ttft)
+    return means
+
+
+def prefix(args, model_dir, hw):
+    """Requests sharing a long prefix, prefix caching on and off."""
+    vocab = model_shape(model_dir, args.torch_dtype).vocab_size
+    rng = random.Random(0)
+    shared = random_prompts(rng, vocab, [args.prefix_len])[0]
+    calls = [[shared + s for s in random_prompts(rng, vocab, [args.suffix_len] * args.num_requests)]
+             for _ in range(2)]
+    ttft_means = {}
+    for caching in (True, False):
+        try:
+            ttft_means.update(prefix_calls(args, model_dir, caching, calls, rng, vocab))
+        except Exception:
+            traceback.print_exc()
+            log(f"nanoserve with prefix caching {'on' if caching else 'off'} FAILED, skipped")
+        free_memory()
+    plot_bars(ttft_means, "mean TTFT (ms)", f"{args.num_requests} requests sharing a "
+              f"{args.prefix_len}-token prefix", args.out_dir, "prefix.png")
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# One subcommand per mode. Sizes left unset get a GPU default or a small CPU
+# default, so every mode also runs as a quick smoke test on a CPU.
+
+
+def int_list(s):
+    return [int(x) for x in s.split(",")]
+
+
+def rate_list(s):
+    return [math.inf if x.strip() in ("inf", "infinity") else float(x) for x in s.split(",")]
+
+
+MODES = {"throughput": throughput, "latency": latency, "serve": serve, "kernel": kernel, "prefix": prefix}
+
+# Sizes of each mode: (flag, type, GPU default, CPU default, help).
+SIZE_FLAGS = {
+    "throughput": [
+        ("num_seqs", int, 256, 8, "requests"),
+        ("min_input", int, 100, 8, "shortest prompt"), ("max_input", int, 1024, 32, "longest prompt"),
+        ("min_output", int, 100, 4, "fewest output tokens"),
+        ("max_output", int, 1024, 16, "most output tokens"),
+        ("hf_batch_size", int, 64, 4, "static batch of transformers-generate"),
+        ("hf_num_seqs", int, None, None, "transformers runs on the first N requests only (default: all)")],
+    "latency": [
+        ("prompt_len", int, 128, 16, "prompt of the decode settings"),
+        ("decode_len", int, 256, 16, "new tokens of the batch-1 decode"),
+        ("batch_decode_len", int, 128, 8, "new tokens of each batch-size setting"),
+        ("prefill_lens", int_list, [128, 512, 2048, 8192], [16, 64, 256], "prompt lengths of the prefill"),
+        ("batch_sizes", int_list, [1, 8, 32, 128, 256], [1, 4, 8], "batches of the decode scaling")],
+    "serve": [
+        ("rates", rate_list, [1.0, 4.0, 16.0, 64.0, math.inf], [8.0, math.inf],
+         "requests/s, comma-separated; inf sends all at once"),
+        ("num_requests", int, 100, 6, "requests per setting"),
+        ("input_len", int, 512, 16, "prompt tokens"), ("output_len", int, 128, 8, "output tokens"),
+        ("concurrency", int, 64, 4, "clients of the closed-loop setting (0: none)"),
+        ("startup_timeout", float, 600.0, 600.0, "seconds to wait for /health")],
+    "kernel": [
+        ("batches", int_list, [1, 4, 16, 32, 64, 128, 256], [1, 2], "batch sizes"),
+        ("contexts", int_list, [128, 512, 1024, 2048, 4096, 8192], [32, 64], "context lengths"),
+        ("kv_cap_gb", float, 8.0, 8.0, "skip settings whose K and V exceed this")],
+    "prefix": [
+        ("num_requests", int, 64, 8, "requests sharing the prefix"),
+        ("prefix_len", int, 1024, 256, "shared prefix tokens"),
+        ("suffix_len", int, 32, 16, "tokens of each request's own suffix"),
+        ("output_len", int, 32, 8, "output tokens")],
+}
+
+
+def parse_args(argv=None):
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("model and device")
+    g.add_argument("--model", help="model folder (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("--random", choices=sorted(RANDOM_MODELS),
+                   help="random weights with these shapes (default: llama-3.2-1b on cuda, tiny on cpu)")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--json", help="write hardware figures and every result line to this file")
+    g.add_argument("--out-dir", default=str(REPO_DIR / "bench_out"), help="PNGs, server log, random models")
+    g = common.add_argument_group("nanoserve engine (its own defaults unless set)")
+    for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        g.add_argument("--" + name.replace("_", "-"), type=int)
+    g.add_argument("--attention", choices=["triton", "torch"])
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    for mode, flags in SIZE_FLAGS.items():
+        p = sub.add_parser(mode, parents=[common], help=MODES[mode].__doc__.split("\n")[0])
+        for name, kind, gpu, cpu, text in flags:
+            default = "" if gpu is None else f" (default {gpu} on cuda, {cpu} on cpu)"
+            p.add_argument("--" + name.replace("_", "-"), type=kind, help=text + default)
+        if mode in ("throughput", "latency"):
+            p.add_argument("--systems", type=lambda s: s.split(","), default=DEFAULT_SYSTEMS[mode],
+                           help=f"comma-separated, of {','.join(SYSTEMS)} (default: those installed)")
+
+    args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    for name, _, gpu, cpu, _ in SIZE_FLAGS[args.mode]:
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if cuda else cpu)
+    if args.mode == "throughput":
+        args.hf_num_seqs = args.hf_num_seqs or args.num_seqs
+    unknown = set(getattr(args, "systems", [])) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {','.join(SYSTEMS)}")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.torch_dtype = getattr(torch, args.dtype)
+    return args
+
+
+def main(args):
+    hw = hardware_info(args.device, args.torch_dtype)
+    model_dir = None
+    if args.mode != "kernel":
+        name = args.random or ("llama-3.2-1b" if args.device.startswith("cuda") else "tiny")
+        model_dir = Path(args.model) if args.model else build_random_model(name, args.out_dir, args.device)
+        log(f"model: {model_dir}")
+    MODES[args.mode](args, model_dir, hw)
+    if args.json:
+        write_json(args.json, args.mode, args, hw)
+
+
+if __name__ == "__main__":
+    main(parse_args())
