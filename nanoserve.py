@@ -799,7 +799,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.num_blocks = self.allocate_kv_cache()
         self.graphs: dict[int, tuple] = {}
-        if self.use_cuda and not cfg.enforce_eager:
+        # The torch attention reads lengths on the host, which a graph cannot
+        # capture: graphs go with the Triton kernels only.
+        if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
             self.capture_cuda_graphs()
 
     # -- KV pool --

@@ -187,6 +187,9 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 
 DECODE_BLOCK_N = 64     # context tokens per KV tile
 DECODE_MAX_SPLITS = 64  # cap on programs per (sequence, kv head)
+DECODE_PROGRAMS_PER_SM = 2  # split until the grid has this many programs per SM
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3   # KV tiles in flight (software pipelining of the loop)
 
 
 @triton.jit
@@ -198,10 +201,13 @@ def _decode_split_kernel(
     context_lens_ptr,   # (B,) int32 tokens in the cache, the new one included
     part_out_ptr,       # (B, n_heads, NUM_SPLITS, hd) fp32 output of each split, normalized
     part_lse_ptr,       # (B, n_heads, NUM_SPLITS) fp32 base-2 log-sum-exp of each split
+    out_ptr,            # (B, n_heads, hd) the result, written here directly when NUM_SPLITS == 1
     qk_scale,           # softmax scale * LOG2E, so the softmax runs in base 2
     num_heads,          # n_heads
     stride_qb,          # q stride between sequences
     stride_qh,          # q stride between heads
+    stride_ob,          # out stride between sequences
+    stride_oh,          # out stride between heads
     stride_bt,          # block_tables stride between sequences
     stride_cb,          # cache stride between blocks
     stride_ct,          # cache stride between tokens of a block
@@ -287,10 +293,15 @@ def _decode_split_kernel(
 
     # An empty split stores lse = -inf (m_i is still -inf) and zeros: weight 0 in the merge.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    offs_part = (b * num_heads + heads) * NUM_SPLITS + split  # (G_PAD,) rows of the partials
-    tl.store(part_lse_ptr + offs_part, m_i + tl.log2(l_safe), mask=mask_g)
-    tl.store(part_out_ptr + offs_part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
-             mask=mask_g[:, None])
+    if NUM_SPLITS == 1:  # nothing to merge: skip the scratch and the second launch
+        offs_out = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + offs_out, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mask_g[:, None])
+    else:
+        offs_part = (b * num_heads + heads) * NUM_SPLITS + split  # (G_PAD,) rows of the partials
+        tl.store(part_lse_ptr + offs_part, m_i + tl.log2(l_safe), mask=mask_g)
+        tl.store(part_out_ptr + offs_part[:, None] * HEAD_DIM + offs_d[None, :],
+                 acc / l_safe[:, None], mask=mask_g[:, None])
 
 
 @triton.jit
@@ -342,7 +353,7 @@ def _decode_num_splits(B, n_kv, max_tiles, device):
     true length among the splits; a split past the end of a short context
     returns at once. A power of two, to bound the number of compiled variants.
     """
-    want = triton.cdiv(2 * _num_sms(device), B * n_kv)
+    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * _num_sms(device), B * n_kv)
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_tiles), DECODE_MAX_SPLITS)
 
 
@@ -372,14 +383,16 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     part_out = torch.empty(B, n_heads, num_splits, hd, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, n_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, n_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, out,
         scale * LOG2E, n_heads,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=hd, BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
+    if num_splits == 1:
+        return out
     _decode_reduce_kernel[(B, n_heads)](
         part_out, part_lse, out, n_heads, out.stride(0), out.stride(1),
         HEAD_DIM=hd, NUM_SPLITS=num_splits, num_warps=4,
