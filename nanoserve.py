@@ -263,17 +263,31 @@ def _progress(msg: str, end: bool = False):
 # over the paged cache, and the SwiGLU MLP. Every layer works on a flat batch
 # of tokens (N_tok, D): sequence boundaries live only in AttentionMetadata.
 
+def fused_on_cuda(fn):
+    """On CUDA, torch.compile fuses fn's chain of elementwise ops into one
+    Triton kernel: an RMSNorm is otherwise six launches and a rotation eight,
+    each a full pass over memory, and at decode batch sizes those launches
+    cost as much as the matmuls. The CPU runs fn as written."""
+    compiled = torch.compile(fn, dynamic=True)   # lazy: compiles on the first CUDA call
+    return lambda x, *args: compiled(x, *args) if x.is_cuda else fn(x, *args)
+
+
+@fused_on_cuda
+def rms_norm(x, weight, eps: float):                           # (N_tok, D)
+    # Normalize in fp32 and cast back before the weight, as transformers
+    # does, so bf16 results round the same way.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):                                      # (N_tok, D)
-        # Normalize in fp32 and cast back before the weight, as transformers
-        # does, so bf16 results round the same way.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: Config) -> torch.Tensor:
@@ -307,9 +321,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions, q, k):      # (N_tok,), (N_tok, n_heads, hd), (N_tok, n_kv, hd)
-        cos = self.cos[positions].unsqueeze(1)                 # (N_tok, 1, hd/2)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return apply_rope(positions, q, k, self.cos, self.sin)
+
+
+@fused_on_cuda
+def apply_rope(positions, q, k, cos_table, sin_table):
+    cos = cos_table[positions].unsqueeze(1)                    # (N_tok, 1, hd/2)
+    sin = sin_table[positions].unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x, cos, sin):
@@ -385,8 +404,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):                                      # (N_tok, D)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)       # (N_tok, I) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+@fused_on_cuda
+def silu_and_mul(gate_up):                                     # (N_tok, 2 I)
+    gate, up = gate_up.chunk(2, dim=-1)                        # (N_tok, I) each
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
