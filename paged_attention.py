@@ -185,12 +185,14 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 # so each sequence's context is split into chunks handled by separate programs,
 # whose partial softmax results a second kernel merges.
 
-DECODE_BLOCK_N = 64     # context tokens per KV tile
+# Chosen by a sweep on an H200 (bf16, Llama-3.2-1B heads, batch 1-256 x
+# context 1k-8k): 128-token tiles with 3 in flight, and splits only until the
+# grid holds two programs per SM.
+DECODE_BLOCK_N = 128    # context tokens per KV tile
 DECODE_MAX_SPLITS = 64  # cap on programs per (sequence, kv head)
-DECODE_PROGRAMS_PER_SM = 2  # split until the grid has this many programs per SM
+DECODE_PROGRAMS_PER_SM = 2
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3   # KV tiles in flight (software pipelining of the loop)
-DECODE_KV_FIRST = False
 
 
 @triton.jit
@@ -220,9 +222,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,     # tokens per KV tile
     NUM_SPLITS: tl.constexpr,  # splits per sequence (power of two)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the tensor-core default
-    KV_FIRST: tl.constexpr,
 ):
-    """Program (b, kv head, split) attends the G query heads of one kv head to
+    """Program (kv head, b, split) attends the G query heads of one kv head to
     one contiguous chunk of sequence b's context.
 
     Online softmax over KV tiles: keep a running max m, running sum l and
@@ -245,12 +246,10 @@ def _decode_split_kernel(
     tl.static_assert(G_PAD >= G, "a group's query heads must fit in the tile")
     tl.static_assert(G_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16, "tl.dot needs inner/outer dims >= 16")
-    if KV_FIRST:
-        kv_head = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    # kv heads vary fastest over the grid: programs that run side by side read
+    # the same blocks (a token's n_kv heads are adjacent in the pool).
+    kv_head = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     L = tl.load(context_lens_ptr + b)
 
@@ -388,15 +387,14 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     num_splits = _decode_num_splits(B, n_kv, max_tiles, q.device)
     part_out = torch.empty(B, n_heads, num_splits, hd, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, n_heads, num_splits, dtype=torch.float32, device=q.device)
-    grid = (n_kv, B, num_splits) if DECODE_KV_FIRST else (B, n_kv, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(n_kv, B, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, out,
         scale * LOG2E, n_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=hd, BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
-        KV_FIRST=DECODE_KV_FIRST, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
     if num_splits == 1:
         return out
