@@ -238,9 +238,10 @@ def dequantize_tensors(reader, config: dict) -> dict:
         if kind in heads:
             w = unpermute_rope(w, heads[kind])       # (nh*hd, D)
         tensors[hf_name(t.name)] = np.ascontiguousarray(w, dtype=np.float32)
-        print(f"\r  {i}/{num_tensors} tensors "
-              f"({100 * i // num_tensors}%)", end="", flush=True)
-    print()
+        if sys.stdout.isatty():      # a counter for people; logs get the last line only
+            print(f"\r  {i}/{num_tensors} tensors ({100 * i // num_tensors}%)", end="",
+                  flush=True)
+    print(f"\r  {num_tensors}/{num_tensors} tensors (100%)")
     return tensors
 
 

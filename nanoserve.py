@@ -451,7 +451,7 @@ class Model(nn.Module):
 
     def compute_logits(self, hidden):                          # (B, D)
         w = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w).float()                     # (B, V)
+        return F.linear(hidden, w)                             # (B, V), model dtype
 
 
 def build_model(cfg: Config) -> Model:
@@ -531,9 +531,24 @@ def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V) float32
+def argmax_rows(logits):                                      # (B, V)
+    """argmax over the vocabulary, as a two-level reduction: a lone row is
+    too little work for one reduction kernel (one block would walk all V
+    entries, ~25 us for Llama-3's vocabulary), so each row is cut into 64
+    chunks reduced side by side first. Ties go to the first index, as in
+    torch.argmax."""
+    B, V = logits.shape
+    if V % 64:
+        return logits.argmax(dim=-1)
+    best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
+    chunk = best.argmax(dim=-1, keepdim=True)                 # (B, 1)
+    return (chunk * (V // 64) + idx.gather(1, chunk)).squeeze(1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     """Return the sampled token ids (B,) and, if asked, their log-probs."""
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)          # exact in the model dtype: no fp32 copy for greedy
+    logits = logits if batch.all_greedy and batch.max_logprobs is None else logits.float()
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)
         scaled = logits / torch.where(t > 0, t, 1.0)
@@ -744,6 +759,15 @@ class Scheduler:
         seq.block_table.extend(self.allocator.allocate() for _ in range(needed))
         return True
 
+    def reserve_decode_slots(self, seqs: list) -> bool:
+        """Give each of seqs a slot for one more token if the pool has room
+        for all of them, without preempting anyone."""
+        if sum(self._num_blocks_needed(s, 1) for s in seqs) > self.allocator.num_free_blocks:
+            return False
+        for seq in seqs:
+            self._reserve_blocks(seq, 1)
+        return True
+
     def _preempt(self, seq: Sequence):
         """Recompute-style preemption: drop the KV, keep the tokens, requeue first."""
         self.running.remove(seq)
@@ -865,7 +889,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         seq = Sequence("profile", [0] * n, SamplingParams())
         seq.block_table = list(range(-(-n // cfg.block_size)))
-        self.execute(ScheduledBatch([seq], [n]))
+        self.launch(ScheduledBatch([seq], [n]))
+        torch.cuda.synchronize(self.device)
         # the sampler's peak grows with the batch: allow a full-vocab sort per row
         sampler_bytes = 4 * cfg.max_num_seqs * cfg.vocab_size * 4
         peak = torch.cuda.max_memory_allocated(self.device) + sampler_bytes
@@ -895,7 +920,7 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             context_lens.append(end)
             cu_seqlens.append(cu_seqlens[-1] + n)
-            if end == seq.num_tokens:
+            if end >= seq.num_tokens:   # > when the last input token is still on the device
                 sample_rows.append(cu_seqlens[-1] - 1)
                 sample_seqs.append(i)
         width = max(len(s.block_table) for s in batch.seqs)
@@ -930,22 +955,34 @@ class ModelRunner:
     # -- forward and sample --
 
     @torch.no_grad()
-    def execute(self, batch: ScheduledBatch):
-        """Run one step; return the sampled sequences, their tokens and log-probs."""
-        input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(batch)
+    def launch(self, batch: ScheduledBatch, input_ids=None) -> "LaunchedStep":
+        """Queue one step on the device and return without waiting for it.
+        input_ids, if given, replace the batch's input tokens: they are the
+        previous step's samples, still in device memory (see LLMEngine.step)."""
+        token_ids, positions, meta, sample_rows, sample_seqs = self.prepare(batch)
+        input_ids = token_ids if input_ids is None else input_ids
         if meta.is_decode and len(batch.seqs) <= max(self.graphs, default=0):
             hidden = self._replay_graph(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)     # (N_tok, D)
         seqs = [batch.seqs[i] for i in sample_seqs]
-        if not seqs:
-            return [], [], None                 # only unfinished prefill chunks this step
+        if not seqs:                            # only unfinished prefill chunks this step
+            return LaunchedStep(batch, [], None, [], None)
         if len(sample_rows) < hidden.shape[0]:   # skip the rows of prefill tokens
             hidden = hidden.index_select(0, self._to_device(sample_rows, torch.int64))
         logits = self.model.compute_logits(hidden)               # (B, V)
         tokens, logprobs = sample(logits, self.sampling_batch(seqs))
-        # the one host-device sync of a step: the scheduler needs the tokens
-        return seqs, tokens.tolist(), _logprobs_to_host(logprobs)
+        # Start copying the samples back now: queued after the next step, the
+        # copy (and so LLMEngine._commit) would wait for that step too.
+        to_host = [tokens, *(logprobs or ())]
+        if not self.use_cuda:
+            return LaunchedStep(batch, seqs, tokens, to_host, None)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in to_host]
+        for h, t in zip(host, to_host):
+            h.copy_(t, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(batch, seqs, tokens, host, copied)
 
     # -- CUDA graphs --
 
@@ -995,11 +1032,14 @@ class ModelRunner:
         return hidden[:n]                                      # (N_tok, D)
 
 
-def _logprobs_to_host(logprobs):
-    if logprobs is None:
-        return None
-    chosen, top_values, top_ids = logprobs
-    return chosen.tolist(), top_values.tolist(), top_ids.tolist()
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens are not read back yet."""
+    batch: ScheduledBatch
+    seqs: list                        # the sequences that sample, in row order
+    tokens: Optional[torch.Tensor]    # (B,) int64 on the device
+    host: list                        # tokens, then sample()'s log-probs, if any, on the host
+    copied: Optional[torch.cuda.Event]  # set once `host` is filled (None on CPU)
 
 
 # ---------------------------------------------------------------------------
@@ -1040,6 +1080,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(self.runner.num_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
+        self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
         self.num_generated_tokens = 0
 
     # -- requests in --
@@ -1092,23 +1133,68 @@ class LLMEngine:
     # -- one step --
 
     def step(self) -> list:
-        """Run one iteration; return the sequences that got a token."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        seqs, tokens, logprobs = self.runner.execute(batch)
+        """Run one iteration; return the sequences that got a token.
+
+        Decode steps overlap host and device ("async scheduling"): while the
+        device runs step N, the host already launches step N+1 for the same
+        sequences, feeding it step N's samples straight from device memory,
+        and only then waits for step N's tokens. The host's bookkeeping (stop
+        checks, detokenizing, the next step's inputs) then hides behind the
+        device's work instead of leaving it idle between steps."""
+        if self.launched is None:
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                return []
+            self.launched = self._launch(batch)
+        done = self.launched
+        self.launched = self._launch_next_decode(done)
+        return self._commit(done)
+
+    def _launch(self, batch: ScheduledBatch, input_ids=None) -> LaunchedStep:
+        step = self.runner.launch(batch, input_ids)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        now = time.perf_counter()
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.num_computed_tokens += n        # their K/V are on the way into the cache
+        return step
+
+    def _launch_next_decode(self, step: LaunchedStep) -> Optional[LaunchedStep]:
+        """Launch the decode step after `step` before its tokens are known, when
+        nothing but those tokens could change it: no request waiting, every
+        running sequence in it, none with stop strings (they need the text),
+        and a free slot for each. A sequence that `step` must end by length
+        is left out; one that samples EOS wastes one token, dropped in _commit."""
+        if not step.batch.is_decode or self.scheduler.waiting \
+                or step.seqs != self.scheduler.running or any(s.params.stop for s in step.seqs):
+            return None
+        keep = [i for i, s in enumerate(step.seqs) if s.num_output_tokens + 1 < s.params.max_tokens
+                and s.num_tokens + 1 < self.cfg.max_model_len]
+        if not keep:
+            return None
+        seqs = [step.seqs[i] for i in keep]
+        if not self.scheduler.reserve_decode_slots(seqs):
+            return None
+        tokens = step.tokens if len(keep) == len(step.seqs) else \
+            step.tokens.index_select(0, self.runner._to_device(keep, torch.int64))
+        return self._launch(ScheduledBatch(seqs, [1] * len(seqs)), tokens)
+
+    def _commit(self, step: LaunchedStep) -> list:
+        """Read a launched step's tokens back (the one host-device sync of a
+        step) and hand each to its sequence."""
+        if step.copied is not None:
+            step.copied.synchronize()          # this step only, not the one launched after it
+        tokens, *logprobs = [t.tolist() for t in step.host] or [[]]
+        now, seqs = time.perf_counter(), []
+        for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
+            if seq.is_finished:                 # aborted, or ended by the step before
+                continue
+            seqs.append(seq)
             seq.token_ids.append(token)
             seq.first_token_time = seq.first_token_time or now
-            if logprobs is not None and seq.params.logprobs is not None:
+            if logprobs and seq.params.logprobs is not None:
                 k = seq.params.logprobs
                 seq.logprobs.append((logprobs[0][i],
                                      dict(zip(logprobs[2][i][:k], logprobs[1][i][:k]))))
             self._process_token(seq, token)
-        for seq in batch.seqs:
+        for seq in step.batch.seqs:
             if not seq.is_finished:
                 self.scheduler.cache_computed_blocks(seq)
         self.num_generated_tokens += len(seqs)
@@ -1648,6 +1734,7 @@ class OpenAIServer:
                   ("generated_tokens_total", "counter", s["num_generated_tokens"]),
                   ("prompt_tokens_total", "counter", s["num_prompt_tokens"]),
                   ("prefix_cache_hit_tokens_total", "counter", s["num_cached_tokens"]),
+                  ("prefix_cache_hit_rate", "gauge", s["prefix_cache_hit_rate"]),
                   ("preemptions_total", "counter", s["num_preemptions"])]
         lines = [f"# TYPE nanoserve_{name} {kind}\nnanoserve_{name} {v}"
                  for name, kind, v in values]

@@ -381,6 +381,16 @@ def test_sampled_frequencies_match_softmax():
     assert worst < 5
 
 
+def test_two_level_argmax_equals_argmax():
+    """Ties go to the first index, vocabularies that 64 does not divide fall
+    back, and bf16 rows give the same ids as torch.argmax."""
+    for V in (49152, 128256, 1000):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(5, V).to(dtype)
+            x[1, 7] = x[1, 70000 % V] = x[3, V - 1] = 100.0   # a tie in row 1
+            assert torch.equal(ns.argmax_rows(x), x.argmax(-1))
+
+
 def test_greedy_rows_ignore_noise():
     logits = torch.randn(6, 50)
     batch = sampling_batch([0, 1.0, 0, 1.0, 0, 0.5])
@@ -773,7 +783,7 @@ def test_health_models_metrics(server, client):
     for name in ["nanoserve_requests_running", "nanoserve_requests_waiting",
                  "nanoserve_kv_blocks_used", "nanoserve_kv_blocks_total",
                  "nanoserve_generated_tokens_total", "nanoserve_preemptions_total",
-                 "nanoserve_prefix_cache_hit_tokens_total",
+                 "nanoserve_prefix_cache_hit_tokens_total", "nanoserve_prefix_cache_hit_rate",
                  'nanoserve_time_to_first_token_seconds_bucket{le="+Inf"}',
                  "nanoserve_time_to_first_token_seconds_sum",
                  "nanoserve_time_to_first_token_seconds_count",
@@ -997,7 +1007,7 @@ def test_engine_errors_fail_one_request(server, client, engine, monkeypatch):
     touches (a 500 with an OpenAI body, or an error event in a stream); the
     engine thread keeps serving."""
     llm = engine.engine
-    for owner, name in [(llm, "add_request"), (llm.runner, "execute")]:
+    for owner, name in [(llm, "add_request"), (llm.runner, "launch")]:
         original = getattr(owner, name)
 
         def fail_once(*args, _owner=owner, _name=name, _original=original, **kw):
@@ -1016,7 +1026,7 @@ def test_engine_errors_fail_one_request(server, client, engine, monkeypatch):
     assert "KeyError" in assert_error(r, 500, "internal_error")["message"]
     assert "Traceback" not in r.text
     monkeypatch.undo()
-    monkeypatch.setattr(llm.runner, "execute", lambda batch: 1 / 0)
+    monkeypatch.setattr(llm.runner, "launch", lambda batch, input_ids=None: 1 / 0)
     with pytest.raises(Exception, match="ZeroDivisionError"):
         stream_completion(client, prompt="Hello", **{**GREEDY_REQUEST, "max_tokens": 3})
     monkeypatch.undo()
