@@ -1890,9 +1890,9 @@ _FLAG_TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int,
                "Optional[str]": str, "Optional[list]": str}
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls):
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
     for f in dataclasses.fields(cls):
-        if not f.init or "help" not in f.metadata:
+        if not f.init or "help" not in f.metadata or f.name in skip:
             continue
         name = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         if f.type == "bool":
@@ -1915,7 +1915,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt", help="the prompt text")
-    add_dataclass_flags(gen, Config)
+    add_dataclass_flags(gen, Config, skip=("host", "port", "api_key"))
     add_dataclass_flags(gen, SamplingParams)
     gen.set_defaults(max_tokens=128)
     srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
