@@ -900,7 +900,7 @@ class ModelRunner:
 
     # -- inputs --
 
-    def _to_device(self, data, dtype) -> torch.Tensor:
+    def to_device(self, data, dtype) -> torch.Tensor:
         t = torch.as_tensor(np.asarray(data), dtype=dtype)
         if not self.use_cuda:
             return t
@@ -928,18 +928,18 @@ class ModelRunner:
         for i, seq in enumerate(batch.seqs):
             block_tables[i, :len(seq.block_table)] = seq.block_table
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            block_tables=self._to_device(block_tables, torch.int32),
-            context_lens=self._to_device(context_lens, torch.int32),
-            cu_seqlens_q=self._to_device(cu_seqlens, torch.int32),
+            slot_mapping=self.to_device(slots, torch.int64),
+            block_tables=self.to_device(block_tables, torch.int32),
+            context_lens=self.to_device(context_lens, torch.int32),
+            cu_seqlens_q=self.to_device(cu_seqlens, torch.int32),
             max_seqlen_q=max(batch.num_new_tokens), is_decode=batch.is_decode)
-        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
+        return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64),
                 meta, sample_rows, sample_seqs)
 
     def sampling_batch(self, seqs: list) -> SamplingBatch:
         params = [s.params for s in seqs]
         all_greedy = all(p.temperature == 0 for p in params)
-        V, to_dev = self.cfg.vocab_size, self._to_device
+        V, to_dev = self.cfg.vocab_size, self.to_device
         return SamplingBatch(   # an all-greedy batch needs no per-row tensors
             temperatures=None if all_greedy else to_dev([p.temperature for p in params],
                                                         torch.float32),
@@ -969,7 +969,7 @@ class ModelRunner:
         if not seqs:                            # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None, [], None)
         if len(sample_rows) < hidden.shape[0]:   # skip the rows of prefill tokens
-            hidden = hidden.index_select(0, self._to_device(sample_rows, torch.int64))
+            hidden = hidden.index_select(0, self.to_device(sample_rows, torch.int64))
         logits = self.model.compute_logits(hidden)               # (B, V)
         tokens, logprobs = sample(logits, self.sampling_batch(seqs))
         # Start copying the samples back now: queued after the next step, the
@@ -1173,7 +1173,7 @@ class LLMEngine:
         if not self.scheduler.reserve_decode_slots(seqs):
             return None
         tokens = step.tokens if len(keep) == len(step.seqs) else \
-            step.tokens.index_select(0, self.runner._to_device(keep, torch.int64))
+            step.tokens.index_select(0, self.runner.to_device(keep, torch.int64))
         return self._launch(ScheduledBatch(seqs, [1] * len(seqs)), tokens)
 
     def _commit(self, step: LaunchedStep) -> list:
