@@ -667,7 +667,9 @@ class Sequence:
         # text: decoded incrementally only when streaming or watching stop strings
         self.stream = stream or bool(params.stop)
         self.text, self.num_sent_chars = "", 0
-        self.prefix_offset = self.read_offset = 0
+        # decode window, as indices into token_ids (not slices of the output,
+        # which would copy the whole completion every step)
+        self.prefix_offset = self.read_offset = self.num_prompt_tokens
         self.arrival_time = time.perf_counter()
         self.first_token_time = self.finish_time = None
 
@@ -1230,7 +1232,7 @@ class LLMEngine:
         tokens is never emitted half-made."""
         if self.tokenizer is None:
             return
-        ids = seq.output_token_ids
+        ids = seq.token_ids
         before = self.decode(ids[seq.prefix_offset:seq.read_offset])
         after = self.decode(ids[seq.prefix_offset:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -1467,10 +1469,12 @@ class AsyncEngine:
             self.ttft.observe(now - route.arrival_time)
         else:
             self.itl.observe(now - route.last_token_time)
-        new = slice(route.num_sent_tokens, None)
-        event = TokenEvent(route.index, self.engine.take_new_text(seq), seq.output_token_ids[new],
-                           seq.logprobs[new], seq.finish_reason)
-        route.last_token_time, route.num_sent_tokens = now, len(seq.output_token_ids)
+        # only this step's tokens: slicing the whole output would copy it every step
+        sent = route.num_sent_tokens
+        event = TokenEvent(route.index, self.engine.take_new_text(seq),
+                           seq.token_ids[seq.num_prompt_tokens + sent:], seq.logprobs[sent:],
+                           seq.finish_reason)
+        route.last_token_time, route.num_sent_tokens = now, seq.num_output_tokens
         if seq.is_finished:
             del self.routes[seq.request_id]
         self._send(route, event)
