@@ -180,6 +180,36 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 
 
 # ----------------------------------------------------------------------------
+# The tile step both attention kernels share
+# Find a tile of context tokens in the pool through the block table, then fold
+# its scores and values into a running (online) softmax.
+
+@triton.jit
+def _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
+                      stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """Pool offsets of the K/V rows of positions offs_tok of sequence b; masked
+    positions read no block-table entry (padding entries are never read)."""
+    block_ids = tl.load(block_tables_ptr + b * stride_bt + offs_tok // BLOCK_SIZE,
+                        mask=mask_n, other=0)
+    # int64: block_id * stride_cb overflows int32 in pools over 2**31 elements
+    return (block_ids.to(tl.int64) * stride_cb + (offs_tok % BLOCK_SIZE) * stride_ct
+            + kv_head * stride_ch)  # (BLOCK_N,)
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold scores s (rows, BLOCK_N), base 2, and values v (BLOCK_N, hd) into
+    the running max m_i, sum l_i and unnormalized output acc: what came
+    before is rescaled to the new max."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# ----------------------------------------------------------------------------
 # Decode: flash-decoding over the paged cache
 # One query token per sequence: too little work per sequence to fill a GPU,
 # so each sequence's context is split into chunks handled by separate programs,
@@ -276,25 +306,16 @@ def _decode_split_kernel(
     for tile in range(tile_lo, tile_hi):
         # -- find the tile's tokens in the pool --
         offs_tok = tile * BLOCK_N + offs_n  # (BLOCK_N,) positions in the sequence
-        mask_n = offs_tok < L  # also keeps padding entries of the block table unread
-        block_ids = tl.load(block_tables_ptr + b * stride_bt + offs_tok // BLOCK_SIZE,
-                            mask=mask_n, other=0)
-        # int64: block_id * stride_cb overflows int32 in pools over 2**31 elements
-        offs_kv = (block_ids.to(tl.int64) * stride_cb + (offs_tok % BLOCK_SIZE) * stride_ct
-                   + kv_head * stride_ch)  # (BLOCK_N,)
+        mask_n = offs_tok < L
+        offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
+                                    stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
         # -- scores --
         k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (G_PAD, BLOCK_N)
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        # -- online softmax: rescale what came before to the new max --
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds >= 1 real token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # -- accumulate p v --
+        s = tl.where(mask_n[None, :], s, float("-inf"))  # every tile holds >= 1 real token
+        # -- online softmax, accumulate p v --
         v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     # An empty split stores lse = -inf (m_i is still -inf) and zeros: weight 0 in the merge.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -486,12 +507,9 @@ def _prefill_kernel(
     for start_n in range(0, kv_hi, BLOCK_N):
         # -- find the tile's tokens in the pool --
         offs_tok = start_n + offs_n  # (BLOCK_N,) key positions
-        mask_n = offs_tok < kv_hi  # also keeps padding entries of the block table unread
-        block_ids = tl.load(block_tables_ptr + b * stride_bt + offs_tok // BLOCK_SIZE,
-                            mask=mask_n, other=0)
-        # int64: block_id * stride_cb overflows int32 in pools over 2**31 elements
-        offs_kv = (block_ids.to(tl.int64) * stride_cb + (offs_tok % BLOCK_SIZE) * stride_ct
-                   + kv_head * stride_ch)  # (BLOCK_N,)
+        mask_n = offs_tok < kv_hi
+        offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
+                                    stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
         # -- scores, causally masked --
         k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
@@ -499,15 +517,9 @@ def _prefill_kernel(
         # m_i is finite and fully masked rows in later tiles stay NaN-free.
         visible = (offs_tok[None, :] <= q_pos[:, None]) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
-        # -- online softmax: rescale what came before to the new max --
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # -- accumulate p v --
+        # -- online softmax, accumulate p v --
         v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     offs_out = (q_start + tok) * stride_ot + heads * stride_oh  # (BLOCK_M,)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
