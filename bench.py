@@ -785,15 +785,22 @@ def summarize_serve(setting, results, seconds, expected_tokens):
         log(f"WARNING {short} streams did not return {expected_tokens} tokens")
     ttft = [1e3 * (r["times"][0] - r["start"]) for r in ok]
     itl = [1e3 * (b - a) for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    # TPOT as vLLM's client counts it: a request's time after its first
+    # token over its other tokens
+    tpot = [1e3 * (r["times"][-1] - r["times"][0]) / (r["num_tokens"] - 1)
+            for r in ok if r["num_tokens"] > 1]
     numbers = dict(req_s=len(ok) / seconds, output_tok_s=sum(r["num_tokens"] for r in ok) / seconds,
+                   ttft_mean_ms=sum(ttft) / max(1, len(ttft)),
                    ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
+                   tpot_p50_ms=percentile(tpot, 50),
                    itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99), num_failed=len(failed))
     report("nanoserve-server", setting, **numbers)
     return numbers
 
 
 def serve(args, model_dir, hw):
-    """The HTTP server under Poisson arrivals and a closed loop."""
+    """The HTTP server under Poisson arrivals and a closed loop, then the
+    same all-at-once requests offline through LLM.generate."""
     vocab = model_shape(model_dir, args.torch_dtype).vocab_size
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     log_path = Path(args.out_dir) / "serve.log"
@@ -815,6 +822,8 @@ def serve(args, model_dir, hw):
             results, seconds = asyncio.run(open_loop(url, payloads(i, args.num_requests), rate, seed=i))
             points.append((f"{rate:g}/s", summarize_serve(f"rate {rate:g}/s, {lengths}", results, seconds,
                                                           args.output_len)))
+            if math.isinf(rate):
+                all_at_once = (payloads(i, args.num_requests), points[-1][1]["output_tok_s"])
         if args.concurrency:
             log(f"closed loop, {args.concurrency} clients: {args.num_requests} requests")
             results, seconds = asyncio.run(closed_loop(url, payloads(1000, args.num_requests),
@@ -824,6 +833,18 @@ def serve(args, model_dir, hw):
     finally:
         stop_server(proc)
     plot_serve(points, args.out_dir)
+    if math.inf in args.rates:
+        serve_over_offline(args, model_dir, *all_at_once)
+
+
+def serve_over_offline(args, model_dir, payloads, served_tok_s):
+    """The all-at-once requests through LLM.generate (the server is stopped,
+    so the device is free): the engine's own speed, which serving should keep."""
+    requests = [(p["prompt"], args.output_len) for p in payloads]
+    seconds, counts = run_nanoserve(args, model_dir, requests)
+    offline_tok_s = sum(counts) / seconds
+    report("nanoserve-offline", f"{len(requests)} requests at once, in {args.input_len} "
+           f"out {args.output_len}", output_tok_s=offline_tok_s, served_over_offline=served_tok_s / offline_tok_s)
 
 
 def plot_serve(points, out_dir):
@@ -1040,11 +1061,11 @@ SIZE_FLAGS = {
         ("prefill_lens", int_list, [128, 512, 2048, 8192], [16, 64, 256], "prompt lengths of the prefill"),
         ("batch_sizes", int_list, [1, 8, 32, 128, 256], [1, 4, 8], "batches of the decode scaling")],
     "serve": [
-        ("rates", rate_list, [1.0, 4.0, 16.0, 64.0, math.inf], [8.0, math.inf],
-         "requests/s, comma-separated; inf sends all at once"),
-        ("num_requests", int, 100, 6, "requests per setting"),
-        ("input_len", int, 512, 16, "prompt tokens"), ("output_len", int, 128, 8, "output tokens"),
-        ("concurrency", int, 64, 4, "clients of the closed-loop setting (0: none)"),
+        ("rates", rate_list, [32.0, math.inf], [8.0, math.inf],
+         "requests/s, comma-separated; inf sends all at once (and runs them offline too)"),
+        ("num_requests", int, 400, 6, "requests per setting"),
+        ("input_len", int, 1024, 16, "prompt tokens"), ("output_len", int, 128, 8, "output tokens"),
+        ("concurrency", int, 0, 4, "clients of the closed-loop setting (0: none)"),
         ("startup_timeout", float, 600.0, 600.0, "seconds to wait for /health")],
     "kernel": [
         ("batches", int_list, [1, 4, 16, 32, 64, 128, 256], [1, 2], "batch sizes"),

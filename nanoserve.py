@@ -31,14 +31,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import dataclasses
 import hmac
 import json
 import math
+import multiprocessing
 import os
-import queue
+import signal
+import socket
 import sys
-import threading
 import time
 import traceback
 import uuid
@@ -58,7 +60,7 @@ import torch.nn.functional as F
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -107,14 +109,17 @@ class Config:
                                         default=8192)
     max_model_len: int = _flag("longest prompt + completion (0: the model's limit)",
                                default=0)
-    enable_prefix_caching: bool = _flag("reuse KV blocks of prompts seen before",
-                                        default=True, meta={"flag": "--no-prefix-caching"})
+    enable_prefix_caching: bool = _flag("turn off prefix caching (the reuse of the KV blocks "
+                                        "of prompts seen before)", default=True,
+                                        meta={"flag": "--no-prefix-caching"})
     enforce_eager: bool = _flag("no CUDA graphs (they are only used on cuda)", default=False)
     # -- server settings --
     host: str = _flag("address the server binds to", default="127.0.0.1")
     port: int = _flag("port the server listens on", default=8000)
     api_key: Optional[str] = _flag("require 'Authorization: Bearer KEY' "
                                    "(default: $NANOSERVE_API_KEY)", default=None)
+    max_request_bytes: int = _flag("largest request body the server reads (413 beyond)",
+                                   default=16 * 2**20)
 
     # -- architecture, read from config.json (never flags) --
     vocab_size: int = field(init=False, default=0)
@@ -483,6 +488,15 @@ class SamplingParams:
     seed: Optional[int] = _flag("same seed, same text, whatever else is in the batch",
                                 default=None)
     logprobs: Optional[int] = None    # also return this many top log-probs per token
+    prompt_logprobs: Optional[int] = None
+    logit_bias: Optional[dict] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def needs_output_history(self) -> bool:
+        return False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -490,8 +504,9 @@ class SamplingParams:
         self.stop, self.stop_token_ids = list(self.stop or []), list(self.stop_token_ids or [])
 
     def validate(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        least = 0 if self.prompt_logprobs is not None else 1   # 0: score the prompt only
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            raise ValueError(f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -649,10 +664,10 @@ class Status(Enum):
 
 
 class Sequence:
-    """One request as the engine sees it: tokens, cache blocks and progress."""
+    """One request as the engine core sees it: token ids (never text), cache
+    blocks and progress."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams,
-                 stream: bool = False):
+    def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -661,17 +676,13 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
+        # Tokens sampled for this sequence that are still on the device: a
+        # step launched before they are read back (async scheduling) takes
+        # them straight from device memory. 1 whenever a step is scheduled.
+        self.num_pending_tokens = 0
         self.status, self.finish_reason = Status.WAITING, None
         self.generator = None            # per-request RNG when params.seed is set
-        self.logprobs: list = []         # per output token: (logprob, {token: logprob})
-        # text: decoded incrementally only when streaming or watching stop strings
-        self.stream = stream or bool(params.stop)
-        self.text, self.num_sent_chars = "", 0
-        # decode window, as indices into token_ids (not slices of the output,
-        # which would copy the whole completion every step)
-        self.prefix_offset = self.read_offset = self.num_prompt_tokens
-        self.arrival_time = time.perf_counter()
-        self.first_token_time = self.finish_time = None
+        self.prompt_logprobs: list = []
 
     @property
     def num_tokens(self) -> int:
@@ -680,10 +691,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:
@@ -720,9 +727,9 @@ class Scheduler:
         num_preemptions_before = self.num_preemptions
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
-            if seq.status != Status.RUNNING or budget == 0:
-                continue                       # preempted below, or no budget left
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.status != Status.RUNNING or budget == 0 or self._ends_when_read(seq):
+                continue                       # preempted below, no budget, or done
+            n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             if self._reserve_blocks(seq, n):
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
                 budget -= n
@@ -745,6 +752,14 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _ends_when_read(self, seq: Sequence) -> bool:
+        """True if the token still on the device is seq's last by length, so
+        that no step after it is worth launching."""
+        num_tokens = seq.num_tokens + seq.num_pending_tokens
+        return seq.num_pending_tokens > 0 and (
+            num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+            or num_tokens >= self.cfg.max_model_len)
+
     def _num_blocks_needed(self, seq: Sequence, n: int) -> int:
         total = -(-(seq.num_computed_tokens + n) // self.block_size)  # ceil
         return max(0, total - len(seq.block_table))
@@ -759,15 +774,6 @@ class Scheduler:
             if victim is seq:
                 return False
         seq.block_table.extend(self.allocator.allocate() for _ in range(needed))
-        return True
-
-    def reserve_decode_slots(self, seqs: list) -> bool:
-        """Give each of seqs a slot for one more token if the pool has room
-        for all of them, without preempting anyone."""
-        if sum(self._num_blocks_needed(s, 1) for s in seqs) > self.allocator.num_free_blocks:
-            return False
-        for seq in seqs:
-            self._reserve_blocks(seq, 1)
         return True
 
     def _preempt(self, seq: Sequence):
@@ -911,18 +917,23 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch):
         """Flatten the batch: token ids, positions and attention metadata, plus
         the rows whose logits are sampled (the last token of each sequence
-        that has no prompt tokens left to compute) and those sequences' indices."""
+        that has no prompt tokens left to compute), those sequences' indices,
+        and the rows whose input token is still on the device, with their
+        sequence (a placeholder 0 stands in for it here)."""
         bs, input_ids, positions, slots = self.cfg.block_size, [], [], []
-        context_lens, cu_seqlens, sample_rows, sample_seqs = [], [0], [], []
+        context_lens, cu_seqlens, sample_rows, sample_seqs, pending = [], [0], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[start:end]
+            if end > seq.num_tokens:               # the pending token is the last input
+                input_ids.append(0)
+                pending.append((cu_seqlens[-1] + n - 1, seq))
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             context_lens.append(end)
             cu_seqlens.append(cu_seqlens[-1] + n)
-            if end >= seq.num_tokens:   # > when the last input token is still on the device
+            if end >= seq.num_tokens:
                 sample_rows.append(cu_seqlens[-1] - 1)
                 sample_seqs.append(i)
         width = max(len(s.block_table) for s in batch.seqs)
@@ -936,7 +947,7 @@ class ModelRunner:
             cu_seqlens_q=self.to_device(cu_seqlens, torch.int32),
             max_seqlen_q=max(batch.num_new_tokens), is_decode=batch.is_decode)
         return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64),
-                meta, sample_rows, sample_seqs)
+                meta, sample_rows, sample_seqs, pending)
 
     def sampling_batch(self, seqs: list) -> SamplingBatch:
         params = [s.params for s in seqs]
@@ -957,12 +968,20 @@ class ModelRunner:
     # -- forward and sample --
 
     @torch.no_grad()
-    def launch(self, batch: ScheduledBatch, input_ids=None) -> "LaunchedStep":
+    def launch(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"] = None) -> "LaunchedStep":
         """Queue one step on the device and return without waiting for it.
-        input_ids, if given, replace the batch's input tokens: they are the
-        previous step's samples, still in device memory (see LLMEngine.step)."""
-        token_ids, positions, meta, sample_rows, sample_seqs = self.prepare(batch)
-        input_ids = token_ids if input_ids is None else input_ids
+        Input tokens that `prev` sampled and the host has not read yet are
+        copied from prev's samples in device memory (see EngineCore.step)."""
+        input_ids, positions, meta, sample_rows, sample_seqs, pending = self.prepare(batch)
+        if pending:
+            prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
+            rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
+            if rows == src == tuple(range(len(input_ids))) == tuple(range(len(prev.seqs))):
+                # a steady decode (the same sequences in the same order): no copy
+                input_ids = prev.tokens
+            else:
+                input_ids.index_copy_(0, self.to_device(rows, torch.int64),
+                                      prev.tokens[self.to_device(src, torch.int64)])
         if meta.is_decode and len(batch.seqs) <= max(self.graphs, default=0):
             hidden = self._replay_graph(input_ids, positions, meta)
         else:
@@ -975,7 +994,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)               # (B, V)
         tokens, logprobs = sample(logits, self.sampling_batch(seqs))
         # Start copying the samples back now: queued after the next step, the
-        # copy (and so LLMEngine._commit) would wait for that step too.
+        # copy (and so EngineCore._commit) would wait for that step too.
         to_host = [tokens, *(logprobs or ())]
         if not self.use_cuda:
             return LaunchedStep(batch, seqs, tokens, to_host, None)
@@ -1043,41 +1062,49 @@ class LaunchedStep:
     host: list                        # tokens, then sample()'s log-probs, if any, on the host
     copied: Optional[torch.cuda.Event]  # set once `host` is filled (None on CPU)
 
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Penalties count a row's tokens on the host: its next step must wait."""
+        return any(seq.params.needs_output_history for seq in self.seqs)
+
 
 # ---------------------------------------------------------------------------
-# Engine
-# The step loop: schedule, execute, then hand each sampled token to its
-# sequence (stop checks, incremental detokenization, freeing finished ones).
-# LLM wraps it in vLLM's offline API; the server drives it from a thread.
+# Engine core
+# The step loop: schedule, launch, read back, and hand each sampled token to
+# its sequence. The engine core sees token ids only; text, stop strings and
+# everything else per request live in the front end (next section). Behind
+# the server it runs in a process of its own; LLM.generate runs it in-process.
 
 @dataclass
-class RequestOutput:
+class EngineCoreRequest:
+    """A request as it crosses into the engine core: token ids, not text."""
     request_id: str
     prompt_token_ids: list
-    token_ids: list                   # the completion only
-    text: str
-    finish_reason: Optional[str]      # "stop", "length" or "abort"
-    num_cached_tokens: int            # prompt tokens served by the prefix cache
-    logprobs: list                    # per token: (logprob, {token_id: logprob}) if asked
-    arrival_time: float               # time.perf_counter() values
-    first_token_time: Optional[float]
-    finish_time: Optional[float]
+    params: SamplingParams
 
 
-def load_tokenizer(model_dir: str):
-    """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
-    from tokenizers import Tokenizer
-    path = Path(model_dir)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json")) \
-        if (path / "tokenizer.json").is_file() else None
-    conf = path / "tokenizer_config.json"
-    return tok, (json.loads(conf.read_text()) if conf.is_file() else {})
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+    request_id: str
+    token_id: Optional[int]           # the sampled token (None if the request failed)
+    logprobs: Optional[tuple] = None  # (logprob, {token_id: logprob}) if asked
+    finish_reason: Optional[str] = None   # "stop", "length" or "error"
+    error: str = ""                   # what failed, with finish_reason "error"
+    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache
+    prompt_logprobs: Optional[list] = None  # with the first token, if asked
 
 
-class LLMEngine:
+@dataclass
+class EngineCoreOutputs:
+    """Everything one step sends back to the front end."""
+    outputs: list                     # EngineCoreOutput, one per sequence that sampled
+    stats: dict                       # EngineCore.stats() after the step (for /metrics)
+
+
+class EngineCore:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.tokenizer, self.tokenizer_config = load_tokenizer(cfg.model)
         self.runner = ModelRunner(cfg)
         self.allocator = BlockAllocator(self.runner.num_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)
@@ -1085,43 +1112,13 @@ class LLMEngine:
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
         self.num_generated_tokens = 0
 
-    # -- requests in --
-
-    def encode(self, prompt) -> list:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.cfg.model} has no tokenizer.json: pass token ids")
-            return self.tokenizer.encode(prompt).ids
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("a prompt must be a string or a list of token ids")
-        return list(prompt)
-
-    def validate(self, prompt_ids: list, params: SamplingParams):
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.cfg.max_model_len:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
-                             f"({params.max_tokens}) is {total} tokens, more than the "
-                             f"context window of {self.cfg.max_model_len}")
-        if -(-total // self.cfg.block_size) > self.allocator.num_blocks:
-            raise ValueError(f"{total} tokens do not fit in the KV cache "
-                             f"({self.allocator.num_blocks} blocks of {self.cfg.block_size})")
-
-    def add_request(self, prompt, params: SamplingParams, request_id: Optional[str] = None,
-                    stream: bool = False) -> Sequence:
-        """Queue a request (a string or token ids); it joins the batch next step."""
-        prompt_ids = self.encode(prompt)
-        self.validate(prompt_ids, params)
-        seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params, stream)
-        if params.seed is not None:
-            seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+    def add_request(self, request: EngineCoreRequest):
+        """Queue a checked request (FrontEnd.validate); it joins the batch next step."""
+        seq = Sequence(request.request_id, request.prompt_token_ids, request.params)
+        if request.params.seed is not None:
+            seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
-        return seq
 
     def abort_request(self, request_id: str):
         """Stop a request now; its blocks go back to the pool."""
@@ -1135,48 +1132,33 @@ class LLMEngine:
     # -- one step --
 
     def step(self) -> list:
-        """Run one iteration; return the sequences that got a token.
+        """Run one iteration; return an EngineCoreOutput per sequence that sampled.
 
-        Decode steps overlap host and device ("async scheduling"): while the
-        device runs step N, the host already launches step N+1 for the same
-        sequences, feeding it step N's samples straight from device memory,
-        and only then waits for step N's tokens. The host's bookkeeping (stop
-        checks, detokenizing, the next step's inputs) then hides behind the
-        device's work instead of leaving it idle between steps."""
+        Async scheduling: while the device runs step N, the host already
+        schedules and launches step N+1, whose sequences take step N's samples
+        straight from device memory (Sequence.num_pending_tokens), and only
+        then waits for step N's tokens. The host's bookkeeping then hides
+        behind the device's work. New requests join step N+1 like any other.
+        The one exception is a step with repetition penalties: the next step's
+        penalties need its tokens on the host, so it is read back first."""
         if self.launched is None:
-            batch = self.scheduler.schedule()
-            if not batch.seqs:
+            self.launched = self._launch(prev=None)
+            if self.launched is None:
                 return []
-            self.launched = self._launch(batch)
         done = self.launched
-        self.launched = self._launch_next_decode(done)
+        self.launched = None if done.needs_host_tokens else self._launch(prev=done)
         return self._commit(done)
 
-    def _launch(self, batch: ScheduledBatch, input_ids=None) -> LaunchedStep:
-        step = self.runner.launch(batch, input_ids)
+    def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return None
+        step = self.runner.launch(batch, prev)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n        # their K/V are on the way into the cache
+        for seq in step.seqs:
+            seq.num_pending_tokens += 1         # its token is on the way to the host
         return step
-
-    def _launch_next_decode(self, step: LaunchedStep) -> Optional[LaunchedStep]:
-        """Launch the decode step after `step` before its tokens are known, when
-        nothing but those tokens could change it: no request waiting, every
-        running sequence in it, none with stop strings (they need the text),
-        and a free slot for each. A sequence that `step` must end by length
-        is left out; one that samples EOS wastes one token, dropped in _commit."""
-        if not step.batch.is_decode or self.scheduler.waiting \
-                or step.seqs != self.scheduler.running or any(s.params.stop for s in step.seqs):
-            return None
-        keep = [i for i, s in enumerate(step.seqs) if s.num_output_tokens + 1 < s.params.max_tokens
-                and s.num_tokens + 1 < self.cfg.max_model_len]
-        if not keep:
-            return None
-        seqs = [step.seqs[i] for i in keep]
-        if not self.scheduler.reserve_decode_slots(seqs):
-            return None
-        tokens = step.tokens if len(keep) == len(step.seqs) else \
-            step.tokens.index_select(0, self.runner.to_device(keep, torch.int64))
-        return self._launch(ScheduledBatch(seqs, [1] * len(seqs)), tokens)
 
     def _commit(self, step: LaunchedStep) -> list:
         """Read a launched step's tokens back (the one host-device sync of a
@@ -1184,83 +1166,49 @@ class LLMEngine:
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         tokens, *logprobs = [t.tolist() for t in step.host] or [[]]
-        now, seqs = time.perf_counter(), []
+        outputs = []
         for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
+            seq.num_pending_tokens -= 1
             if seq.is_finished:                 # aborted, or ended by the step before
                 continue
-            seqs.append(seq)
             seq.token_ids.append(token)
-            seq.first_token_time = seq.first_token_time or now
-            if logprobs and seq.params.logprobs is not None:
+            keep = seq.params.max_tokens > 0     # 0: only the prompt's log-probs were wanted
+            out = EngineCoreOutput(seq.request_id, token if keep else None,
+                                   num_cached_tokens=seq.num_cached_tokens)
+            if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
+                out.prompt_logprobs = seq.prompt_logprobs
+            if keep and logprobs and seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                seq.logprobs.append((logprobs[0][i],
-                                     dict(zip(logprobs[2][i][:k], logprobs[1][i][:k]))))
-            self._process_token(seq, token)
+                out.logprobs = (logprobs[0][i], dict(zip(logprobs[2][i][:k], logprobs[1][i][:k])))
+            out.finish_reason = self._finish_reason(seq, token)
+            if out.finish_reason is not None:
+                self.scheduler.cache_computed_blocks(seq)    # before its blocks are freed
+                self.scheduler.finish(seq, out.finish_reason)
+                del self.seqs[seq.request_id]
+            outputs.append(out)
         for seq in step.batch.seqs:
             if not seq.is_finished:
                 self.scheduler.cache_computed_blocks(seq)
-        self.num_generated_tokens += len(seqs)
-        return seqs
+        self.num_generated_tokens += len(outputs)
+        return outputs
 
-    def _process_token(self, seq: Sequence, token: int):
-        p, num_old_chars = seq.params, len(seq.text)
-        if seq.stream:
-            self._detokenize_incrementally(seq)
-        reason = None
+    def _finish_reason(self, seq: Sequence, token: int) -> Optional[str]:
+        p = seq.params
         if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif self._truncate_at_stop_string(seq, num_old_chars):
-            reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.scheduler.cache_computed_blocks(seq)    # before its blocks are freed
-            self.scheduler.finish(seq, reason)
-            self.seqs.pop(seq.request_id, None)
-            if not seq.stream and self.tokenizer is not None:
-                seq.text = self.decode(seq.output_token_ids)
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None
 
-    # -- text out --
-
-    def decode(self, token_ids: list) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _detokenize_incrementally(self, seq: Sequence):
-        """Append the newly completed text. A window of a few tokens is decoded
-        twice (before and after the new token); text is only added once it no
-        longer ends in U+FFFD, so a multi-byte character split over several
-        tokens is never emitted half-made."""
-        if self.tokenizer is None:
-            return
-        ids = seq.token_ids
-        before = self.decode(ids[seq.prefix_offset:seq.read_offset])
-        after = self.decode(ids[seq.prefix_offset:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            seq.text += after[len(before):]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-
-    def _truncate_at_stop_string(self, seq: Sequence, num_old_chars: int) -> bool:
-        for stop in seq.params.stop:
-            # a new match must end inside the text added this step
-            idx = seq.text.find(stop, max(0, num_old_chars - len(stop) + 1))
-            if idx != -1:
-                seq.text = seq.text[:idx]
-                return True
-        return False
-
-    def take_new_text(self, seq: Sequence) -> str:
-        """The text a stream may send now: all of it once finished, otherwise
-        holding back a tail that could still grow into a stop string."""
-        hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
-        end = max(seq.num_sent_chars, len(seq.text) - hold)
-        new, seq.num_sent_chars = seq.text[seq.num_sent_chars:end], end
-        return new
-
-    def output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens],
-                             seq.output_token_ids, seq.text, seq.finish_reason,
-                             seq.num_cached_tokens, seq.logprobs, seq.arrival_time,
-                             seq.first_token_time, seq.finish_time)
+    def fail_running(self, error: Exception) -> list:
+        """After a step raised: end every request that was in it with an error
+        and free its blocks; the engine core itself goes on."""
+        self.launched = None
+        failed = [s for s in self.seqs.values() if s.status == Status.RUNNING]
+        for seq in failed:
+            self.abort_request(seq.request_id)
+        return [EngineCoreOutput(s.request_id, None, finish_reason="error",
+                                 error=f"the engine failed: {error!r}") for s in failed]
 
     def stats(self) -> dict:
         a, s = self.allocator, self.scheduler
@@ -1272,12 +1220,204 @@ class LLMEngine:
                     prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens))
 
 
+# ---------------------------------------------------------------------------
+# Front end
+# Everything per request that the engine core never needs: tokenizing,
+# checking a request against the engine's limits, and turning token ids back
+# into text (incremental detokenization and stop strings). It runs in the
+# caller's process: the server's, or the one that calls LLM.generate.
+
+def load_tokenizer(model_dir: str):
+    """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
+    from tokenizers import Tokenizer
+    path = Path(model_dir)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json")) \
+        if (path / "tokenizer.json").is_file() else None
+    conf = path / "tokenizer_config.json"
+    return tok, (json.loads(conf.read_text()) if conf.is_file() else {})
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list
+    token_ids: list                   # the completion only
+    text: str
+    finish_reason: Optional[str]      # "stop", "length", "abort" or "error"
+    num_cached_tokens: int            # prompt tokens served by the prefix cache
+    logprobs: list                    # per token: (logprob, {token_id: logprob}) if asked
+    prompt_logprobs: Optional[list]   # per prompt token after the first, if asked
+    arrival_time: float               # time.perf_counter() values
+    first_token_time: Optional[float]
+    finish_time: Optional[float]
+
+
+class RequestState:
+    """One request as the front end sees it: its tokens so far and their text."""
+
+    def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams,
+                 incremental: bool, index: int = 0):
+        self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
+        self.index = index                # which of a server request's choices
+        self.incremental = incremental or bool(params.stop)  # text per step, not at the end
+        self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None
+        self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
+        # the detokenizer's window, as indices into token_ids (not slices,
+        # which would copy the whole completion every step)
+        self.prefix_offset = self.read_offset = 0
+        self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
+        self.arrival_time, self.first_token_time = time.perf_counter(), None
+        self.last_event_time: Optional[float] = None   # the server's, for latency histograms
+        self.finish_time: Optional[float] = None
+
+    def take_new_text(self) -> str:
+        """The text a stream may send now: all of it once finished, otherwise
+        holding back a tail that could still grow into a stop string."""
+        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
+        end = max(self.num_sent_chars, len(self.text) - hold)
+        new, self.num_sent_chars = self.text[self.num_sent_chars:end], end
+        return new
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text,
+                             self.finish_reason, self.num_cached_tokens, self.logprobs,
+                             self.prompt_logprobs, self.arrival_time, self.first_token_time,
+                             self.finish_time)
+
+
+class FrontEnd:
+    """Text in, token ids to the engine core; token ids back, text out."""
+
+    def __init__(self, cfg: Config, num_blocks: int):
+        self.cfg, self.num_blocks = cfg, num_blocks
+        self.tokenizer, self.tokenizer_config = load_tokenizer(cfg.model)
+        self.states: dict[str, RequestState] = {}    # unfinished requests by id
+
+    # -- requests in --
+
+    def encode(self, prompt, add_special_tokens: bool = True) -> list:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.cfg.model} has no tokenizer.json: pass token ids")
+            if not prompt.isascii() and any(0xD800 <= ord(c) < 0xE000 for c in prompt):
+                raise ValueError("the text has a lone surrogate, which is not Unicode text")
+            # encode_batch runs in Rust without the GIL: a long prompt
+            # tokenized in a thread never stalls the server's event loop
+            return self.tokenizer.encode_batch(
+                [prompt], add_special_tokens=add_special_tokens)[0].ids
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of token ids")
+        return list(prompt)
+
+    def validate(self, prompt_ids: list, params: SamplingParams):
+        """Every check the engine core relies on, made before it sees the request."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.cfg.max_model_len:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
+                             f"({params.max_tokens}) is {total} tokens, more than the "
+                             f"context window of {self.cfg.max_model_len}")
+        if -(-total // self.cfg.block_size) > self.num_blocks:
+            raise ValueError(f"{total} tokens do not fit in the KV cache "
+                             f"({self.num_blocks} blocks of {self.cfg.block_size})")
+
+    def add(self, prompt_ids: list, params: SamplingParams, incremental: bool = True,
+            index: int = 0) -> EngineCoreRequest:
+        """Track a checked request; return what to send the engine core."""
+        state = RequestState(uuid.uuid4().hex, prompt_ids, params, incremental, index)
+        self.states[state.request_id] = state
+        return EngineCoreRequest(state.request_id, prompt_ids, params)
+
+    # -- outputs back --
+
+    def process(self, outputs: list) -> tuple[list, list]:
+        """Apply one or more steps' outputs. Return the requests that changed
+        and the ids of those a stop string ended, which the engine core must
+        abort (it may compute one token past the stop; that one is dropped)."""
+        now, changed = time.perf_counter(), {}
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:                  # ended here already (stop string, abort)
+                continue
+            changed[state.request_id] = state
+            state.first_token_time = state.first_token_time or now
+            state.num_cached_tokens = out.num_cached_tokens
+            state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
+            state.finish_reason, state.error = out.finish_reason, out.error
+            if out.token_id is not None:
+                state.token_ids.append(out.token_id)
+                state.logprobs += [out.logprobs] if out.logprobs else []
+        states = list(changed.values())
+        num_old_chars = [len(s.text) for s in states]
+        self._detokenize([s for s in states if s.incremental and not s.error])
+        stopped = []
+        for state, num_old in zip(states, num_old_chars):
+            if state.finish_reason is None and self._truncate_at_stop_string(state, num_old):
+                state.finish_reason = "stop"
+                stopped.append(state.request_id)
+            if state.finish_reason is not None:
+                del self.states[state.request_id]
+                state.finish_time = now
+                if not state.incremental and self.tokenizer is not None:
+                    state.text = self.decode(state.token_ids)
+        return states, stopped
+
+    def decode(self, token_ids: list) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _detokenize(self, states: list):
+        """Append each request's newly completed text. A window of a few tokens
+        is decoded twice (before and after the new tokens), all requests in
+        one batched call; text is only added once it no longer ends in U+FFFD,
+        so a multi-byte character split over tokens is never sent half-made."""
+        if self.tokenizer is None or not states:
+            return
+        windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
+                                                s.token_ids[s.prefix_offset:])]
+        texts = self.tokenizer.decode_batch(windows, skip_special_tokens=True)
+        for s, before, after in zip(states, texts[0::2], texts[1::2]):
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                s.text += after[len(before):]
+                s.prefix_offset, s.read_offset = s.read_offset, len(s.token_ids)
+
+    def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int) -> bool:
+        for stop in state.params.stop:
+            # a new match must end inside the text added this step
+            idx = state.text.find(stop, max(0, num_old_chars - len(stop) + 1))
+            if idx != -1:
+                state.text = state.text[:idx]
+                return True
+        return False
+
+
 class LLM:
     """Offline generation in vLLM's shape:
-    LLM(model_dir).generate(prompts, SamplingParams(...)) -> [RequestOutput]."""
+    LLM(model_dir).generate(prompts, SamplingParams(...)) -> [RequestOutput].
+    The engine core runs in this process: offline, nothing competes with it."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, **settings):
-        self.engine = LLMEngine(Config(model=model, **settings))
+    def __init__(self, model=DEFAULT_MODEL, **settings):   # a folder, or a whole Config
+        cfg = model if isinstance(model, Config) else Config(model=model, **settings)
+        self.engine = EngineCore(cfg)
+        self.front = FrontEnd(cfg, self.engine.allocator.num_blocks)
+
+    def add(self, prompt_ids: list, params: SamplingParams, incremental: bool = False
+            ) -> RequestState:
+        self.front.validate(prompt_ids, params)
+        request = self.front.add(prompt_ids, params, incremental)
+        self.engine.add_request(request)
+        return self.front.states[request.request_id]
+
+    def run(self):
+        """Step until every request is done, yielding after each step."""
+        while self.engine.has_unfinished():
+            _, stopped = self.front.process(self.engine.step())
+            for request_id in stopped:
+                self.engine.abort_request(request_id)
+            yield
 
     def generate(self, prompts, params=None) -> list:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -1286,28 +1426,91 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        for prompt, p in zip(prompts, params):   # check all before queueing any
-            self.engine.validate(self.engine.encode(prompt), p)
-        seqs = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        prompt_ids = [self.front.encode(prompt) for prompt in prompts]
+        for ids, p in zip(prompt_ids, params):   # check all before queueing any
+            self.front.validate(ids, p)
+        states = [self.add(ids, p) for ids, p in zip(prompt_ids, params)]
         num_done, start = 0, time.perf_counter()
-        while self.engine.has_unfinished():
-            self.engine.step()
-            done = sum(s.is_finished for s in seqs) if len(seqs) > 1 else 0
+        for _ in self.run():
+            done = sum(s.finish_reason is not None for s in states) if len(states) > 1 else 0
             if done != num_done:
                 num_done = done
-                _progress(f"generate: {done}/{len(seqs)} done, "
+                _progress(f"generate: {done}/{len(states)} done, "
                           f"{self.engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
-        return [self.engine.output(s) for s in seqs]
+        return [s.output() for s in states]
 
     def stats(self) -> dict:
         return self.engine.stats()
 
 
 # ---------------------------------------------------------------------------
+# Engine core process
+# Behind the server the engine core runs in a process of its own, in that
+# process's main thread, so that no per-request Python work (JSON, SSE,
+# detokenizing) competes with the step loop for the GIL. Two pipes join it to
+# the server: EngineCoreRequests and aborts go in, one EngineCoreOutputs per
+# step comes out. Nothing else crosses.
+
+@dataclass
+class EngineCoreAbort:
+    """Stop these requests (their client left, or a stop string ended them)."""
+    request_ids: list
+
+
+def run_engine_core(cfg: Config, inbox, outbox, setup=None):
+    """The engine core process: it owns the scheduler, the block allocator,
+    the model runner and the device, and steps whenever work is queued.
+    `setup(core)`, if given, runs once before the loop (tests inject faults)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the server's to handle
+    try:
+        core = EngineCore(cfg)
+        if setup is not None:
+            setup(core)
+    except Exception as e:
+        outbox.send(f"the engine core failed to start: {e}")
+        return
+    outbox.send(EngineCoreOutputs([], core.stats()))         # ready
+    while True:
+        outputs = []
+        try:
+            if not core.has_unfinished():
+                inbox.poll(None)              # idle: sleep until a message comes
+            while inbox.poll():               # busy: take what has arrived, then step
+                message = inbox.recv()
+                if message is None:           # the server is shutting down
+                    return
+                if isinstance(message, EngineCoreAbort):
+                    for request_id in message.request_ids:
+                        core.abort_request(request_id)
+                for request in message if isinstance(message, list) else []:
+                    outputs += _add_or_fail(core, request)
+            if core.has_unfinished():
+                try:
+                    outputs += core.step()
+                except Exception as e:        # fails the running requests, not the process
+                    traceback.print_exc()
+                    outputs += core.fail_running(e)
+            outbox.send(EngineCoreOutputs(outputs, core.stats()))
+        except (EOFError, OSError):           # the server is gone: so is the engine core
+            return
+
+
+def _add_or_fail(core: EngineCore, request: EngineCoreRequest) -> list:
+    try:
+        core.add_request(request)
+        return []
+    except Exception as e:                    # fails only this request
+        traceback.print_exc()
+        return [EngineCoreOutput(request.request_id, None, finish_reason="error",
+                                 error=f"add_request failed: {e!r}")]
+
+
+# ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette. The engine is not thread-safe, so
-# it steps in one background thread (AsyncEngine); handlers on the event loop
-# send it add/abort commands through a queue and await their tokens.
+# An OpenAI-compatible HTTP API on Starlette, in the server process. Handlers
+# parse a request, tokenize it (in a thread: tokenizers drops the GIL) and
+# await its TokenEvents; EngineCoreClient sends requests down the pipe and,
+# on the same event loop, turns each step's outputs into text and events.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1321,219 +1524,298 @@ class APIError(Exception):
 
 @dataclass
 class TokenEvent:
-    """What the engine thread tells a request after a step about one choice
-    (and, added up, a whole choice of a non-streamed response)."""
-    index: int                        # which of the request's n choices
+    """What one choice of a request got since its last event (and, added up,
+    a whole choice of a non-streamed response)."""
+    index: int                        # which of the request's choices
     text: str = ""                    # new text that is safe to send (may be "")
-    token_ids: list = field(default_factory=list)   # the new tokens (one per step)
+    token_ids: list = field(default_factory=list)   # the new tokens
     logprobs: list = field(default_factory=list)    # their (logprob, {token_id: logprob})
     finish_reason: Optional[str] = None             # "stop" or "length" on the last event
-    error: Optional[str] = None                     # the engine failed this request
+    error: str = ""                                 # the engine failed this request
+    prompt_logprobs: Optional[list] = None          # on the first event, if asked
 
 
 class Histogram:
     """A Prometheus histogram: a count per bucket (upper bound `le`), a sum and a
-    total. The engine thread writes it and /metrics reads it: the lock keeps one
-    rendering's buckets, sum and count consistent."""
+    total. Only the event loop touches it, so it needs no lock."""
 
     def __init__(self, name: str, buckets: list):
         self.name, self.buckets = name, buckets
         self.counts, self.sum = [0] * (len(buckets) + 1), 0.0    # the last is le="+Inf"
-        self.lock = threading.Lock()
 
     def observe(self, seconds: float):
-        with self.lock:
-            self.counts[bisect.bisect_left(self.buckets, seconds)] += 1  # first le >= seconds
-            self.sum += seconds
+        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1  # first le >= seconds
+        self.sum += seconds
 
     def render(self) -> list:
-        with self.lock:
-            counts, total = list(self.counts), self.sum
         lines, cumulative = [f"# TYPE {self.name} histogram"], 0
-        for le, n in zip([*map(str, self.buckets), "+Inf"], counts):
+        for le, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
             cumulative += n           # a bucket counts everything <= le
             lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
-        return lines + [f"{self.name}_sum {total}", f"{self.name}_count {cumulative}"]
+        return lines + [f"{self.name}_sum {self.sum}", f"{self.name}_count {cumulative}"]
 
 
-@dataclass
-class _Route:
-    """Where one sequence's events go; only the engine thread touches it."""
-    index: int
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    arrival_time: float               # perf_counter() when the request arrived
-    last_token_time: Optional[float] = None
-    num_sent_tokens: int = 0
+class EngineCoreClient:
+    """The server's side of the engine core: it starts the process, sends it
+    requests and aborts, and reads its outputs on the event loop (a reader on
+    the pipe, so no thread of ours competes for the GIL). Each step's outputs
+    go through the FrontEnd, and every request that changed gets one
+    TokenEvent on its queue: if the loop falls behind, several steps' tokens
+    arrive in one event."""
 
-
-class AsyncEngine:
-    """The engine on its own thread, the only one that touches the LLMEngine.
-    The event loop talks to it through `inbox` (add and abort commands, drained
-    at the top of every iteration, so a new request joins the running batch at
-    the next step) and hears back through each request's asyncio.Queue."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine, self.inbox = engine, queue.Queue()
-        # Replaced, never mutated, after every iteration: another thread that
-        # reads it gets one whole snapshot.
-        self.stats = engine.stats()
+    def __init__(self, cfg: Config, setup=None):
+        ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
+        inbox_end, self.inbox = ctx.Pipe(duplex=False)     # server -> engine core
+        self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
+        self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
+                                   args=(cfg, inbox_end, outbox_end, setup), daemon=True)
+        self.process.start()
+        inbox_end.close(), outbox_end.close()  # ours closed: a dead process reads as EOF
+        try:
+            ready = self.outbox.recv()
+        except EOFError:
+            ready = f"the engine core exited with code {self.process.join(5) or self.process.exitcode}"
+        if isinstance(ready, str):
+            raise ValueError(ready)
+        self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
+        self.front = FrontEnd(cfg, self.stats["num_blocks"])
+        self.queues: dict[str, asyncio.Queue] = {}   # request_id -> its TokenEvents
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
                               [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
         self.itl = Histogram("nanoserve_inter_token_latency_seconds",
                              [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10])
-        self.routes: dict[str, _Route] = {}        # request_id -> _Route
-        self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-        self.thread.start()
+
+    def attach(self, loop: asyncio.AbstractEventLoop):
+        loop.add_reader(self.outbox.fileno(), self._read)
 
     def shutdown(self):
-        self.inbox.put(("stop", None))
-        self.thread.join()
+        with contextlib.suppress(OSError):
+            self.inbox.send(None)
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
 
-    async def generate(self, prompt_ids: list, params: list):
-        """Run one request, a choice per SamplingParams; yield its TokenEvents.
-        However the caller stops (done, client gone, cancelled, error), the
-        `finally` aborts what still runs, so its KV blocks are freed at the next
-        step rather than when max_tokens runs out."""
-        base_id, events = uuid.uuid4().hex, asyncio.Queue()
-        request_ids = [f"{base_id}-{i}" for i in range(len(params))]
-        loop, now = asyncio.get_running_loop(), time.perf_counter()
-        for i, p in enumerate(params):
-            self.inbox.put(("add", request_ids[i], _Route(i, loop, events, now), prompt_ids, p))
-        num_open = len(params)
+    async def generate(self, requests: list):
+        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each;
+        yield their TokenEvents. However the caller stops (done, client gone,
+        error), the `finally` aborts what still runs, so its KV blocks are
+        freed at the next step rather than when max_tokens runs out."""
+        events = asyncio.Queue()
+        requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
+        request_ids = [r.request_id for r in requests]
+        self.queues.update((request_id, events) for request_id in request_ids)
+        self._send(requests)
+        num_open = len(request_ids)
         try:
             while num_open:
                 event = await events.get()
-                if event.error is not None:
+                if event.error:
                     raise APIError(500, event.error, "internal_error")
                 num_open -= event.finish_reason is not None
                 yield event
         finally:
-            for request_id in request_ids if num_open else []:
-                self.inbox.put(("abort", request_id))
+            self._forget([r for r in request_ids if r in self.front.states], abort=True)
 
-    # -- the engine thread --
-
-    def _run(self):
-        while True:
-            # Block only when idle; while sequences run, take what has arrived.
-            commands = [] if self.engine.has_unfinished() else [self.inbox.get()]
-            while not self.inbox.empty():
-                commands.append(self.inbox.get_nowait())
-            for kind, request_id, *args in commands:
-                if kind == "stop":
-                    return
-                if kind == "abort":
-                    self.engine.abort_request(request_id)
-                    self.routes.pop(request_id, None)
-                else:
-                    self._add(request_id, *args)
-            if self.engine.has_unfinished():
-                self._step()
-            self.stats = self.engine.stats()
-
-    def _add(self, request_id: str, route: _Route, prompt_ids: list, params: SamplingParams):
+    def _send(self, requests: list):
         try:
-            # stream=True for every request: with one detokenization path, a
-            # streamed text equals the non-streamed one by construction.
-            self.engine.add_request(prompt_ids, params, request_id=request_id, stream=True)
-            self.routes[request_id] = route
-        except Exception as e:        # fails only this request
-            traceback.print_exc()
-            self._send(route, TokenEvent(route.index, error=f"add_request failed: {e!r}"))
-
-    def _step(self):
-        try:
-            seqs = self.engine.step()
-        except Exception as e:
-            traceback.print_exc()
-            self._fail_step(e)
-            return
-        now = time.perf_counter()
-        for seq in seqs:
-            if seq.request_id in self.routes:
-                self._deliver(seq, self.routes[seq.request_id], now)
-
-    def _fail_step(self, error: Exception):
-        """Fail the requests of a step that raised (the running ones, and any it
-        finished before raising) and free their blocks; the others keep going."""
-        running = {seq.request_id for seq in self.engine.scheduler.running}
-        failed = [r for r in self.routes if r in running or r not in self.engine.seqs]
-        for request_id in failed:
-            self.engine.abort_request(request_id)
-            route = self.routes.pop(request_id)
-            self._send(route, TokenEvent(route.index, error=f"the engine failed: {error!r}"))
-
-    def _deliver(self, seq: Sequence, route: _Route, now: float):
-        if route.last_token_time is None:
-            self.ttft.observe(now - route.arrival_time)
-        else:
-            self.itl.observe(now - route.last_token_time)
-        # only this step's tokens: slicing the whole output would copy it every step
-        sent = route.num_sent_tokens
-        event = TokenEvent(route.index, self.engine.take_new_text(seq),
-                           seq.token_ids[seq.num_prompt_tokens + sent:], seq.logprobs[sent:],
-                           seq.finish_reason)
-        route.last_token_time, route.num_sent_tokens = now, seq.num_output_tokens
-        if seq.is_finished:
-            del self.routes[seq.request_id]
-        self._send(route, event)
-
-    def _send(self, route: _Route, event: TokenEvent):
-        # asyncio.Queue is not thread-safe: the put runs on the request's loop
-        try:
-            route.loop.call_soon_threadsafe(route.events.put_nowait, event)
-        except RuntimeError:          # that loop is closed: the server is gone
+            if not self.error:
+                self.inbox.send(requests)
+        except OSError:                       # the process is gone; _read will say so
             pass
+        if self.error:
+            self._forget([r.request_id for r in requests], abort=False)
+            raise APIError(503, self.error, "internal_error")
+
+    def _forget(self, request_ids: list, abort: bool):
+        for request_id in request_ids:
+            self.front.states.pop(request_id, None)
+            self.queues.pop(request_id, None)
+        if abort and request_ids and not self.error:
+            with contextlib.suppress(OSError):
+                self.inbox.send(EngineCoreAbort(request_ids))
+
+    def _read(self):
+        """On the event loop, whenever the pipe has data: every step's outputs
+        that have arrived, through the FrontEnd, out to the requests' queues."""
+        outputs = []
+        try:
+            while self.outbox.poll():
+                message = self.outbox.recv()
+                outputs += message.outputs
+                self.stats = message.stats
+        except (EOFError, OSError):
+            self._engine_died()
+        states, stopped = self.front.process(outputs)
+        if stopped and not self.error:
+            with contextlib.suppress(OSError):
+                self.inbox.send(EngineCoreAbort(stopped))
+        now = time.perf_counter()
+        for state in states:
+            self._observe(state, now)
+            event = TokenEvent(state.index, state.take_new_text(),
+                               state.token_ids[state.num_sent_tokens:],
+                               state.logprobs[state.num_sent_tokens:], state.finish_reason,
+                               state.error, state.prompt_logprobs)
+            state.num_sent_tokens = len(state.token_ids)
+            queue = self.queues.get(state.request_id)
+            if state.finish_reason is not None:
+                self.queues.pop(state.request_id, None)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    def _observe(self, state: RequestState, now: float):
+        """Time to first token, and a gap per token after it (0 for tokens
+        that arrive together, as the client sees them)."""
+        num_new = len(state.token_ids) - state.num_sent_tokens
+        if num_new and state.num_sent_tokens == 0:
+            self.ttft.observe(now - state.arrival_time)
+        elif num_new:
+            self.itl.observe(now - state.last_event_time)
+        for _ in range(num_new - 1):
+            self.itl.observe(0.0)
+        state.last_event_time = now
+
+    def _engine_died(self):
+        """Every request in flight ends with an error; /health turns 503."""
+        self.process.join(1)
+        self.error = f"the engine core process exited (exit code {self.process.exitcode})"
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.outbox.fileno())
+        for request_id, queue in self.queues.items():
+            queue.put_nowait(TokenEvent(self.front.states[request_id].index, error=self.error))
+        self.front.states.clear(), self.queues.clear()
 
 
-# -- request parsing: each check raises an APIError that names the field --
+# -- request parsing: one table of the fields each endpoint takes, each field
+# type-checked the same way; every check raises an APIError that names it --
 
+_COMMON_FIELDS = dict(
+    model=str, max_tokens=int, n=int, seed=int, stop=object, temperature=float, top_p=float,
+    top_k=int, logit_bias=dict, presence_penalty=float, frequency_penalty=float,
+    repetition_penalty=float, ignore_eos=bool, stream=bool, stream_options=dict,
+    user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
+COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=object, echo=bool, logprobs=int,
+                         best_of=int, suffix=str)
+CHAT_FIELDS = dict(_COMMON_FIELDS, messages=list, logprobs=bool, top_logprobs=int,
+                   max_completion_tokens=int, response_format=dict, tools=list,
+                   tool_choice=object, parallel_tool_calls=bool)
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
-               dict: "an object"}
+               dict: "an object", list: "an array"}
 
 
-def _param(body: dict, name: str, kind: type, default=None):
-    """body[name] checked against a JSON type; a JSON null counts as absent."""
-    value = body.get(name)
-    if value is None:
-        return default
-    # an integer is a fine number; true is an int in Python but not in JSON
-    accepted = (int, float) if kind is float else kind
-    if not isinstance(value, accepted) or isinstance(value, bool) != (kind is bool):
-        raise APIError(400, f"'{name}' must be {_JSON_TYPES[kind]}, "
-                            f"got {json.dumps(value)[:40]}", param=name)
-    return value
+def parse_fields(body: dict, spec: dict) -> dict:
+    """The body's fields, checked against spec; a JSON null counts as absent.
+    A field the endpoint does not know is refused, never ignored: it may be
+    one that would have changed the output."""
+    fields = {}
+    for name, value in body.items():
+        if name not in spec:
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+        kind = spec[name]
+        if value is None or kind is object:
+            fields[name] = value
+            continue
+        # an integer is a fine number; true is an int in Python but not in JSON
+        accepted = (int, float) if kind is float else kind
+        if not isinstance(value, accepted) or isinstance(value, bool) != (kind is bool):
+            raise APIError(400, f"'{name}' must be {_JSON_TYPES[kind]}, "
+                                f"got {json.dumps(value)[:40]}", param=name)
+        if kind is int and not -2**63 <= value < 2**64:
+            raise APIError(400, f"'{name}' is out of the 64-bit range", param=name)
+        if kind is float:
+            try:
+                value = float(value)          # 10**400 overflows; 1e400 parses to inf
+            except OverflowError:
+                value = math.inf
+            if not math.isfinite(value):
+                raise APIError(400, f"'{name}' must be a finite number", param=name)
+        fields[name] = value
+    _refuse_unsupported(fields)
+    return {k: v for k, v in fields.items() if v is not None}
 
 
-def parse_sampling_params(body: dict, max_tokens: int, logprobs: Optional[int]) -> list:
+def _refuse_unsupported(f: dict):
+    """Fields the API defines but nanoserve does not implement yet: a 400, so
+    that a client asking for JSON or tool calls fails loudly."""
+    refused = [("response_format", (f.get("response_format") or {}).get("type", "text") != "text",
+                "structured output is not supported yet"),
+               ("tools", bool(f.get("tools")), "tool calling is not supported yet"),
+               ("tool_choice", f.get("tool_choice") not in (None, "none"),
+                "tool calling is not supported yet"),
+               ("suffix", bool(f.get("suffix")), "'suffix' (insertion) is not supported"),
+               ("best_of", f.get("best_of") not in (None, f.get("n", 1)),
+                "'best_of' other than 'n' is not supported")]
+    for name, is_refused, message in refused:
+        if is_refused:
+            raise APIError(400, message, param=name)
+
+
+def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
+                          prompt_logprobs: Optional[int] = None) -> list:
     """One SamplingParams per choice. With a seed, choice i uses seed + i, so
     the n choices differ and the request stays reproducible."""
-    n, seed, stop = _param(body, "n", int, 1), _param(body, "seed", int), body.get("stop")
+    n, seed, stop = f.get("n", 1), f.get("seed"), f.get("stop")
     if not 1 <= n <= 128:             # OpenAI's limit
         raise APIError(400, f"'n' must be in [1, 128], got {n}", param="n")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-    shared = dict(temperature=float(_param(body, "temperature", float, 1.0)),
-                  top_p=float(_param(body, "top_p", float, 1.0)),
-                  top_k=_param(body, "top_k", int, -1), max_tokens=max_tokens, stop=stop,
-                  ignore_eos=_param(body, "ignore_eos", bool, False), logprobs=logprobs)
-    return [SamplingParams(**shared, seed=None if seed is None else seed + i) for i in range(n)]
+    try:                              # JSON object keys are strings: "1234": -100
+        logit_bias = {int(k): float(v) for k, v in f.get("logit_bias", {}).items()}
+    except (TypeError, ValueError, OverflowError):
+        raise APIError(400, "'logit_bias' must map token ids to numbers", param="logit_bias")
+    shared = dict(temperature=f.get("temperature", 1.0), top_p=f.get("top_p", 1.0),
+                  top_k=f.get("top_k", -1), max_tokens=max_tokens, stop=stop,
+                  ignore_eos=f.get("ignore_eos", False), logprobs=logprobs,
+                  prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                  presence_penalty=f.get("presence_penalty", 0.0),
+                  frequency_penalty=f.get("frequency_penalty", 0.0),
+                  repetition_penalty=f.get("repetition_penalty", 1.0))
+    return [SamplingParams(**shared, seed=None if seed is None else (seed + i) % 2**64)
+            for i in range(n)]
+
+
+def parse_prompts(prompt) -> list:
+    """'prompt' as OpenAI takes it: a string, token ids, or a list of either."""
+    def one(p):
+        return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p))
+    if one(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
+        return prompt
+    raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list "
+                        "of either", param="prompt")
+
+
+def parse_messages(messages) -> list:
+    """Chat messages for the template. Content may be a string, a list of
+    parts, whose text parts are joined (other parts are refused), or null in
+    an assistant turn."""
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        raise APIError(400, "'messages' must be a non-empty list of objects with a string "
+                            "'role'", param="messages")
+    parsed = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
+            if any(k != "text" or not isinstance(p.get("text"), str)
+                   for k, p in zip(kinds, content)):
+                bad = next(k for k in kinds if k != "text")
+                raise APIError(400, f"message content parts of type {bad!r} are not supported "
+                                    "(text only)", param="messages")
+            content = "\n".join(p["text"] for p in content)
+        if not (isinstance(content, str) or content is None and m["role"] == "assistant"):
+            raise APIError(400, "a message's 'content' must be a string or a list of text "
+                                "parts (null only for the assistant)", param="messages")
+        parsed.append({**m, "content": content or ""})
+    return parsed
 
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
-
-
-def _parse_messages(body: dict) -> list:
-    messages = body.get("messages")
-    if not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages)):
-        raise APIError(400, "'messages' must be a non-empty list of objects with a string "
-                            "'role' and a string 'content'", param="messages")
-    return messages
 
 
 def _raise_template_error(message: str):
@@ -1590,36 +1872,57 @@ class _Shape:
                 "model": self.server.model_name, "choices": choices}
         return body if usage is None else {**body, "usage": usage}
 
-    def token_logprobs(self, e: TokenEvent):
+    def has_news(self, e: TokenEvent) -> bool:
+        """Whether a stream sends a chunk for e (a token whose text is held
+        back still carries its log-probs)."""
+        return bool(e.text) or (self.num_top_logprobs is not None and bool(e.token_ids))
+
+    def token_logprobs(self, token_ids: list, logprobs: list):
         """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
-        for token, (logprob, top) in zip(e.token_ids, e.logprobs):
+        text = self.server.token_text
+        for token, (logprob, top) in zip(token_ids, logprobs):
             top = list(top.items())[:self.num_top_logprobs]     # sorted, likeliest first
-            yield (self.server.token_text(token), max(logprob, -9999.0),
-                   [(self.server.token_text(t), max(lp, -9999.0)) for t, lp in top])
+            yield text(token), max(logprob, -9999.0), [(text(t), max(lp, -9999.0)) for t, lp in top]
 
 
 class _CompletionShape(_Shape):
-    """The legacy completions shape; `echo` puts the prompt in front of the text."""
+    """The legacy completions shape. `echo` puts each prompt in front of its
+    choices' text, and with `logprobs` its tokens' log-probs in front of theirs
+    (null for the first token, which nothing predicts)."""
     id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, server, num_top_logprobs, echo: str):
+    def __init__(self, server, num_top_logprobs, echoes: list, n: int):
         super().__init__(server, num_top_logprobs)
-        self.echo, self.offsets = echo, {}   # choice -> text_offset of its next token
+        self.echoes, self.n = echoes, n       # per prompt: (text, token ids), or None
+        self.offsets = {}                     # choice -> text_offset of its next token
 
     def opening(self, i: int) -> list:
-        return [self.choice(TokenEvent(i, self.echo))] if self.echo else []
+        return []
+
+    def has_news(self, e: TokenEvent) -> bool:
+        return super().has_news(e) or (self.echoes[e.index // self.n] is not None
+                                       and e.index not in self.offsets)
 
     def choice(self, e: TokenEvent, final: bool = False) -> dict:
-        return {"index": e.index, "text": self.echo + e.text if final else e.text,
-                "logprobs": self.logprobs(e) if self.num_top_logprobs is not None else None,
+        echo = self.echoes[e.index // self.n] if e.index not in self.offsets else None
+        self.offsets.setdefault(e.index, 0)
+        return {"index": e.index, "text": echo[0] + e.text if echo else e.text,
+                "logprobs": self.logprobs(e, echo) if self.num_top_logprobs is not None else None,
                 "finish_reason": e.finish_reason}
 
-    def logprobs(self, e: TokenEvent) -> dict:
+    def logprobs(self, e: TokenEvent, echo) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for text, logprob, top in self.token_logprobs(e):
-            offset = self.offsets.get(e.index, len(self.echo))
+        rows = []
+        if echo:                              # the prompt's rows, the first one empty
+            first = (self.server.token_text(echo[1][0]), None, None)
+            rows = [first, *self.token_logprobs(echo[1][1:], e.prompt_logprobs or [])]
+        for i, (text, logprob, top) in enumerate(
+                rows + list(self.token_logprobs(e.token_ids, e.logprobs))):
+            if echo and i == len(rows):       # the completion starts after the echoed text
+                self.offsets[e.index] = len(echo[0])
+            offset = self.offsets[e.index]
             self.offsets[e.index] = offset + len(text)
-            for key, value in zip(out, (text, logprob, dict(top), offset)):
+            for key, value in zip(out, (text, logprob, top if top is None else dict(top), offset)):
                 out[key].append(value)
         return out
 
@@ -1645,7 +1948,7 @@ class _ChatShape(_Shape):
         def entry(text, logprob):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
-                            for text, logprob, top in self.token_logprobs(e)]}
+                            for text, logprob, top in self.token_logprobs(e.token_ids, e.logprobs)]}
 
 
 def _sse(body: dict) -> str:
@@ -1683,53 +1986,66 @@ async def _unless_disconnected(request: Request, work):
     finally:                          # also when this handler itself is cancelled
         watch.cancel()
         task.cancel()                 # a no-op once it is done
+        # a cancelled task is only marked cancelled once it has run its
+        # cancellation: wait for that before asking it for a result
+        await asyncio.wait([task, watch])
     return None if task.cancelled() else task.result()
 
 
 # -- the app --
 
 class OpenAIServer:
-    """The routes over one AsyncEngine. Handlers run on the event loop: they
-    parse and validate (engine.encode and engine.validate read only the config
-    and tokenizer, so they are safe here), then await AsyncEngine.generate."""
+    """The routes over one EngineCoreClient. Handlers run on the event loop:
+    they parse, check and tokenize a request, then await client.generate."""
 
-    def __init__(self, engine: AsyncEngine, api_key: Optional[str]):
-        self.engine, self.llm, self.api_key = engine, engine.engine, api_key
-        self.model_name = Path(self.llm.cfg.model).name
-        self.chat_template = ChatTemplate(self.llm.tokenizer_config)
+    def __init__(self, client: EngineCoreClient, cfg: Config):
+        self.client, self.front, self.cfg = client, client.front, cfg
+        self.model_name = Path(cfg.model).name
+        self.chat_template = ChatTemplate(self.front.tokenizer_config)
         self.created = int(time.time())
 
     def routes(self) -> list:
         # /health and /metrics stay open, so probes and scrapers need no key
         return [Route("/health", self.health), Route("/metrics", self.metrics),
                 Route("/v1/models", self._keyed(self.models)),
+                Route("/v1/models/{model:path}", self._keyed(self.models)),
                 Route("/v1/completions", self._keyed(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._keyed(self.chat), methods=["POST"])]
 
     def _keyed(self, handler):
         async def checked(request: Request):
-            given = request.headers.get("authorization", "").encode()
-            # compare_digest: the time it takes says nothing about the key
-            if self.api_key and not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            # the scheme name is case-insensitive (RFC 9110); compare_digest:
+            # the time it takes says nothing about the key
+            if self.cfg.api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
+                    given.strip().encode(), self.cfg.api_key.encode())):
                 raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                code="invalid_api_key")
             return await handler(request)
         return checked
 
     def token_text(self, token: int) -> str:
-        tokenizer = self.llm.tokenizer
+        tokenizer = self.front.tokenizer
         return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
 
     async def health(self, request: Request) -> Response:
+        if self.client.error:
+            return PlainTextResponse(self.client.error, status_code=503)
         return PlainTextResponse("ok")
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "nanoserve", "max_model_len": self.llm.cfg.max_model_len}]})
+        card = {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "nanoserve", "max_model_len": self.cfg.max_model_len}
+        wanted = request.path_params.get("model")
+        if wanted is None:
+            return JSONResponse({"object": "list", "data": [card]})
+        if wanted != self.model_name:
+            raise APIError(404, f"the model {wanted!r} does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(card)
 
     async def metrics(self, request: Request) -> Response:
-        s = self.engine.stats
+        s = self.client.stats
         values = [("requests_running", "gauge", s["num_running"]),
                   ("requests_waiting", "gauge", s["num_waiting"]),
                   ("kv_blocks_used", "gauge", s["num_blocks"] - s["num_free_blocks"]),
@@ -1742,73 +2058,89 @@ class OpenAIServer:
                   ("preemptions_total", "counter", s["num_preemptions"])]
         lines = [f"# TYPE nanoserve_{name} {kind}\nnanoserve_{name} {v}"
                  for name, kind, v in values]
-        lines += self.engine.ttft.render() + self.engine.itl.render()
+        lines += self.client.ttft.render() + self.client.itl.render()
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def completions(self, request: Request) -> Response:
-        body = await self._read(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, (str, list)):
-            raise APIError(400, "'prompt' must be a string, a list of token ids or a list of "
-                                "one string", param="prompt")
-        try:
-            prompt_ids = self.llm.encode(prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt")
-        num_top = _param(body, "logprobs", int)
-        params = parse_sampling_params(body, _param(body, "max_tokens", int, 16), num_top)
-        self._validate(body, prompt_ids, params)
-        echo = "" if not _param(body, "echo", bool, False) \
-            else prompt if isinstance(prompt, str) else self.llm.decode(prompt_ids)
-        return await self._respond(request, body, _CompletionShape(self, num_top, echo),
-                                   prompt_ids, params)
+        f = parse_fields(await self._read(request), COMPLETION_FIELDS)
+        prompts, num_top, echo = parse_prompts(f.get("prompt")), f.get("logprobs"), f.get("echo")
+        # max_tokens 0 (with echo: the prompt's log-probs only) still samples
+        # one token, which the engine core drops
+        params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
+                                       num_top if echo and num_top is not None else None)
+        prompt_ids = [await self._encode(p) for p in prompts]
+        echoes = [(p if isinstance(p, str) else self.front.decode(ids), ids) if echo else None
+                  for p, ids in zip(prompts, prompt_ids)]
+        shape = _CompletionShape(self, num_top, echoes, len(params))
+        return await self._respond(request, f, shape, prompt_ids, params)
 
     async def chat(self, request: Request) -> Response:
-        body = await self._read(request)
-        text = self.chat_template.render(_parse_messages(body))
+        f = parse_fields(await self._read(request), CHAT_FIELDS)
+        text = self.chat_template.render(parse_messages(f.get("messages")))
         # the template has written the special tokens: encode must not add its own
-        prompt_ids = self.llm.tokenizer.encode(text, add_special_tokens=False).ids
-        room = max(1, self.llm.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
-        max_tokens = _param(body, "max_completion_tokens", int,
-                            _param(body, "max_tokens", int, room))
-        num_top = _param(body, "top_logprobs", int, 0) if _param(body, "logprobs", bool) else None
-        params = parse_sampling_params(body, max_tokens, num_top)
-        self._validate(body, prompt_ids, params)
-        return await self._respond(request, body, _ChatShape(self, num_top), prompt_ids, params)
+        prompt_ids = await self._encode(text, add_special_tokens=False)
+        room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
+        num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
+        params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
+                                       num_top)
+        return await self._respond(request, f, _ChatShape(self, num_top), [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
+        """The JSON body, refused before it is read whole if it is too large."""
+        limit, chunks, size = self.cfg.max_request_bytes, [], 0
+        declared = request.headers.get("content-length", "")
+        try:
+            if declared.isdigit() and int(declared) > limit:
+                raise APIError(413, f"the body is larger than {limit} bytes")
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the body is larger than {limit} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:              # the client left mid-body: nobody to answer
+            raise APIError(499, "the client closed the connection")
         try:
             # parse_constant: NaN and Infinity are Python's extension, not JSON
-            body = json.loads(await request.body(), parse_constant=_reject_constant)
-        except ValueError as e:       # JSONDecodeError, UnicodeDecodeError
-            raise APIError(400, f"the body is not valid JSON: {e}")
+            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep
+            raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
-        model = _param(body, "model", str)
+        model = body.get("model")
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+            raise APIError(404, f"the model {str(model)[:100]!r} does not exist; this server "
+                                f"serves {self.model_name!r}", param="model", code="model_not_found")
         return body
 
-    def _validate(self, body: dict, prompt_ids: list, params: list):
+    async def _encode(self, prompt, add_special_tokens: bool = True) -> list:
+        """Token ids of a prompt; text is tokenized in a thread, off the event loop."""
         try:
-            self.llm.validate(prompt_ids, params[0])       # the choices differ only by seed
+            if isinstance(prompt, str):
+                return await asyncio.to_thread(self.front.encode, prompt, add_special_tokens)
+            return self.front.encode(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt")
+
+    def _validate(self, f: dict, prompt_ids: list, params: list):
+        try:
+            for ids in prompt_ids:
+                self.front.validate(ids, params[0])   # the choices differ only by seed
         except ValueError as e:
             name = str(e).split()[0]  # validate's messages start with their field, if any
-            raise APIError(400, str(e), param=name if name in body else None)
+            raise APIError(400, str(e), param=name if name in f else None)
 
-    async def _respond(self, request: Request, body: dict, shape: _Shape, prompt_ids: list,
+    async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
                        params: list) -> Response:
-        stream = _param(body, "stream", bool, False)
-        include_usage = _param(_param(body, "stream_options", dict, {}), "include_usage", bool)
-        events = self.engine.generate(prompt_ids, params)
-        if stream:
-            return _EventStream(self._stream(shape, events, len(params), len(prompt_ids),
+        self._validate(f, prompt_ids, params)
+        choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
+        num_prompt_tokens = sum(map(len, prompt_ids))
+        events = self.client.generate(choices)
+        if f.get("stream"):
+            include_usage = f.get("stream_options", {}).get("include_usage") is True
+            return _EventStream(self._stream(shape, events, len(choices), num_prompt_tokens,
                                              include_usage))
         result = await _unless_disconnected(
-            request, self._collect(shape, events, len(params), len(prompt_ids)))
+            request, self._collect(shape, events, len(choices), num_prompt_tokens))
         return Response(status_code=499) if result is None else JSONResponse(result)
 
     async def _collect(self, shape: _Shape, events, n: int, num_prompt_tokens: int) -> dict:
@@ -1819,6 +2151,7 @@ class OpenAIServer:
                 c.text, c.finish_reason = c.text + e.text, e.finish_reason
                 c.token_ids += e.token_ids
                 c.logprobs += e.logprobs
+                c.prompt_logprobs = c.prompt_logprobs or e.prompt_logprobs
         usage = _usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices))
         return shape.envelope(shape.object, [shape.choice(c, final=True) for c in choices], usage)
 
@@ -1834,8 +2167,7 @@ class OpenAIServer:
                         yield chunk([choice])
                 async for e in events:
                     num_completion_tokens += len(e.token_ids)
-                    # a token whose text is held back still carries its log-probs
-                    if e.text or (shape.num_top_logprobs is not None and e.token_ids):
+                    if shape.has_news(e):
                         yield chunk([shape.choice(dataclasses.replace(e, finish_reason=None))])
                     if e.finish_reason is not None:
                         last = TokenEvent(e.index, finish_reason=e.finish_reason)
@@ -1853,35 +2185,40 @@ class OpenAIServer:
 async def _error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong
     method) and crashes, whose traceback Starlette logs while the client
-    gets one line."""
+    gets one line. After a 413 or a 5xx the connection is closed, and says so,
+    so that a pooled client opens a fresh one."""
     if isinstance(e, HTTPException):
         e = APIError(e.status_code, e.detail)
     elif not isinstance(e, APIError):
         e = APIError(500, f"internal error: {type(e).__name__}", "internal_error")
-    return JSONResponse(e.body, status_code=e.status)
+    headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None
+    return JSONResponse(e.body, status_code=e.status, headers=headers)
 
 
-def build_app(engine, api_key: Optional[str] = None) -> Starlette:
-    """The app over a Config, an LLMEngine or a running AsyncEngine (which
-    several apps may share). With api_key set, /v1/* needs 'Bearer api_key'."""
-    if isinstance(engine, Config):
-        engine = LLMEngine(engine)
-    if isinstance(engine, LLMEngine):
-        engine = AsyncEngine(engine)
-    server = OpenAIServer(engine, api_key)
-    return Starlette(routes=server.routes(), exception_handlers={
+def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
+    """The app over a running engine core. With cfg.api_key set, /v1/* needs it."""
+    server = OpenAIServer(client, cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        client.attach(asyncio.get_running_loop())   # outputs are read on this loop
+        yield
+
+    return Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={
         kind: _error_response for kind in (APIError, HTTPException, Exception)})
 
 
 def serve(cfg: Config):
-    engine = AsyncEngine(LLMEngine(cfg))
+    # Bind first: a port in use is one clear error, before the model loads.
+    sock = socket.create_server((cfg.host, cfg.port))
+    client = EngineCoreClient(cfg)
     print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
           + (" (API key required)" if cfg.api_key else ""), flush=True)
     try:
-        uvicorn.run(build_app(engine, cfg.api_key), host=cfg.host, port=cfg.port,
-                    log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
+        server.run(sockets=[sock])
     finally:
-        engine.shutdown()
+        client.shutdown()
 
 
 # ---------------------------------------------------------------------------
@@ -1928,11 +2265,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_generate(cfg: Config, prompt: str, params: SamplingParams):
-    engine = LLMEngine(cfg)
-    seq = engine.add_request(prompt, params, stream=True)
-    while not seq.is_finished:
-        engine.step()
-        print(engine.take_new_text(seq), end="", flush=True)
+    llm = LLM(cfg)
+    state = llm.add(llm.front.encode(prompt), params, incremental=True)
+    for _ in llm.run():
+        print(state.take_new_text(), end="", flush=True)
     print()
 
 

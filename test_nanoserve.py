@@ -22,7 +22,7 @@ import torch
 import uvicorn
 
 try:
-    from openai import APIStatusError, AsyncOpenAI, OpenAI
+    from openai import APIError, APIStatusError, AsyncOpenAI, OpenAI
 except ImportError:        # a GPU box without the client: the server tests skip there
     OpenAI = None
 
@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
 import download
 import nanoserve as ns
 import paged_attention as pa
-from nanoserve import DEFAULT_MODEL, AsyncEngine, Config, LLMEngine, build_app
+from nanoserve import DEFAULT_MODEL, Config, EngineCoreClient, build_app
 
 SMOL_DIR = ns.DEFAULT_MODEL
 CUDA = torch.cuda.is_available()
@@ -196,7 +196,7 @@ SMOL_PROMPTS = ["The capital of France is",
 
 def test_smol_greedy_matches_transformers(smol, smol_llm):
     _, hf = smol
-    tok = smol_llm.engine.tokenizer
+    tok = smol_llm.front.tokenizer
     outs = smol_llm.generate(SMOL_PROMPTS, ns.SamplingParams(temperature=0, max_tokens=24,
                                                              ignore_eos=True))
     for prompt, o in zip(SMOL_PROMPTS, outs):
@@ -257,7 +257,7 @@ def test_stop_strings_and_tokens(smol_llm):
 
 
 def test_token_id_prompts_and_order(smol_llm):
-    ids = smol_llm.engine.tokenizer.encode("The capital of France is").ids
+    ids = smol_llm.front.tokenizer.encode("The capital of France is").ids
     outs = smol_llm.generate(["def fibonacci(n):", ids], GREEDY)
     assert outs[1].prompt_token_ids == ids
     assert outs[1].token_ids == smol_llm.generate([SMOL_PROMPTS[0]], GREEDY)[0].token_ids
@@ -294,7 +294,7 @@ def shared_prefix_prompts(tokenizer):
 
 
 def test_prefix_caching_keeps_output(smol_llm):
-    prompts = shared_prefix_prompts(smol_llm.engine.tokenizer)
+    prompts = shared_prefix_prompts(smol_llm.front.tokenizer)
     seeded = [ns.SamplingParams(temperature=0.9, top_k=50, max_tokens=12, seed=i,
                                 ignore_eos=True) for i in range(len(prompts))]
     no_cache = ns.LLM(SMOL_DIR, device="cpu", num_blocks=128, enable_prefix_caching=False)
@@ -695,34 +695,61 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def engine():
+# Prompts (token ids) on which the engine core process of the `engine`
+# fixture fails on purpose: in add_request, in a step, or with a bug's error.
+FAIL_ADD, FAIL_STEP, FAIL_BUG = [7001] * 3, [7002] * 3, [7003] * 3
+
+
+def inject_faults(core):
+    """Runs inside the engine core process (EngineCoreClient's `setup`)."""
+    add, launch = core.add_request, core.runner.launch
+
+    def add_request(request):
+        if request.prompt_token_ids == FAIL_ADD:
+            raise RuntimeError("injected failure")
+        add(request)
+
+    def launch_step(batch, prev=None):
+        prompts = [s.token_ids[:s.num_prompt_tokens] for s in batch.seqs]
+        if FAIL_STEP in prompts:
+            raise RuntimeError("injected failure")
+        if FAIL_BUG in prompts:
+            return 1 / 0
+        return launch(batch, prev)
+
+    core.add_request, core.runner.launch = add_request, launch_step
+
+
+def server_config(**kw):
     if OpenAI is None or not os.path.isfile(os.path.join(DEFAULT_MODEL, "config.json")):
         pytest.skip("the server tests need the openai client and the default model")
-    num_threads = torch.get_num_threads()
-    if not torch.cuda.is_available():
-        # A shared CPU: one intra-op thread keeps OpenMP workers from spinning
-        # against other processes (5-10x faster on a loaded 2-core machine).
-        torch.set_num_threads(1)
-    engine = AsyncEngine(LLMEngine(Config(model=DEFAULT_MODEL, device="cpu")))
-    yield engine
-    engine.shutdown()
-    torch.set_num_threads(num_threads)
+    return Config(model=DEFAULT_MODEL, device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The engine core in its own process, as `nanoserve.py serve` runs it."""
+    client = EngineCoreClient(server_config(), setup=inject_faults)
+    yield client
+    client.shutdown()
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    srv = ServerThread(build_app(engine))
+    srv = ServerThread(build_app(engine, engine.front.cfg))
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
-def keyed_server(engine):
-    """A second app over the same engine thread, this one behind an API key."""
-    srv = ServerThread(build_app(engine, api_key=KEY))
+def keyed_server():
+    """A second server, with its own engine core, behind an API key."""
+    cfg = server_config(api_key=KEY)
+    client = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(client, cfg))
     yield srv
     srv.stop()
+    client.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -799,7 +826,7 @@ def test_completion(server, client, engine):
     prompt = "The capital of France is"
     before = metrics(server)
     r = client.completions.create(prompt=prompt, **GREEDY_REQUEST)
-    num_prompt_tokens = len(engine.engine.encode(prompt))    # reads only the tokenizer
+    num_prompt_tokens = len(engine.front.encode(prompt))    # reads only the tokenizer
     assert r.object == "text_completion" and r.model == MODEL
     assert r.choices[0].finish_reason == "length" and r.choices[0].text
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
@@ -853,6 +880,35 @@ def test_stop_string(client):
     assert stop not in text and r.choices[0].finish_reason == "stop" and finish == ["stop"]
 
 
+def test_stop_string_across_tokens(client, engine):
+    """A stop string that starts inside one token and ends inside another is
+    cut exactly, streamed and not (the front end finds it; the engine core
+    is told to abort)."""
+    prompt = "Count: one, two, three, four,"
+    kw = {**GREEDY_REQUEST, "max_tokens": 12}
+    r = client.completions.create(prompt=prompt, logprobs=0, **kw).choices[0]
+    tokens = r.logprobs.tokens
+    # from the last character of the 1st token to the first of the 3rd
+    start = len(tokens[0]) - 1
+    stop = r.text[start:start + len(tokens[1]) + 2]
+    assert len(tokens[0]) >= 2 and len(tokens[2]) >= 2, tokens
+    cut = r.text[:r.text.index(stop)]
+    non_streamed = client.completions.create(prompt=prompt, stop=[stop], **kw).choices[0]
+    streamed, finish, _, _ = stream_completion(client, prompt=prompt, stop=stop, **kw)
+    print(f"tokens {tokens!r}, stop {stop!r}, cut {cut!r}")
+    assert non_streamed.text == cut == streamed and finish == ["stop"]
+    assert non_streamed.finish_reason == "stop"
+
+
+def test_served_equals_offline(client, smol_llm):
+    """The server's greedy texts equal LLM.generate's, request for request,
+    with prompts sent at once as one batch request."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "My favourite colour is"]
+    offline = smol_llm.generate(prompts, ns.SamplingParams(temperature=0, max_tokens=10))
+    r = client.completions.create(prompt=prompts, **{**GREEDY_REQUEST, "max_tokens": 10})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in offline]
+
+
 def test_utf8_stream(client):
     """A character split over several tokens is sent whole, in one piece."""
     prompt = "Translate to Japanese and Chinese with emoji: I love cats 🐱 ->"
@@ -875,13 +931,17 @@ def test_n_seed_logprobs_echo(client):
     assert [c.text for c in a.choices] == [c.text for c in b.choices]   # seeded: reproducible
     assert a.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in a.choices)
     assert all(top == {} for c in a.choices for top in c.logprobs.top_logprobs)
+    # echo with logprobs: the prompt's tokens come first, the first one with null
     r = client.completions.create(prompt="Hello, my name is", logprobs=2, echo=True, **GREEDY_REQUEST)
-    c, lp = r.choices[0], r.choices[0].logprobs
+    c, lp, num_prompt = r.choices[0], r.choices[0].logprobs, r.usage.prompt_tokens
     assert c.text.startswith("Hello, my name is")
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 8
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert len(top) <= 2 and logprob <= 0 and abs(max(top.values()) - logprob) < 1e-4
-    assert lp.text_offset[0] == len("Hello, my name is")
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == num_prompt + 8
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(top) <= 2 and logprob <= 0 for logprob, top in
+               zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    for logprob, top in zip(lp.token_logprobs[num_prompt:], lp.top_logprobs[num_prompt:]):
+        assert abs(max(top.values()) - logprob) < 1e-4              # greedy: the top token
+    assert lp.text_offset[num_prompt] == len("Hello, my name is")
     assert lp.text_offset == sorted(lp.text_offset)
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}],
                                           logprobs=True, top_logprobs=0, **GREEDY_REQUEST)
@@ -942,7 +1002,7 @@ def test_abort_non_streamed_on_disconnect(server):
 BAD_COMPLETIONS = [
     ({"max_tokens": 4}, "prompt"),                               # prompt missing
     ({"prompt": {"a": 1}}, "prompt"),
-    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [[1, 2], [3.5]]}, "prompt"),
     ({"prompt": ""}, None),                                      # empty
     ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -976,7 +1036,7 @@ def test_bad_requests(server, engine):
         error = assert_error(httpx.post(url, json=body), 400)
         assert error["param"] == param, (body, error)
     error = assert_error(httpx.post(url, json={"prompt": "hi", "max_tokens": 100_000}), 400)
-    assert "100000" in error["message"] and str(engine.engine.cfg.max_model_len) in error["message"]
+    assert "100000" in error["message"] and str(engine.front.cfg.max_model_len) in error["message"]
     for body in BAD_CHATS:
         assert_error(httpx.post(server.url + "/v1/chat/completions", json=body), 400)
     for raw in [b"{not json", b"[1, 2]", b'"text"', b"\xff\xfe", b'{"prompt": "hi", "top_p": NaN}']:
@@ -1005,29 +1065,46 @@ def test_api_key(keyed_server):
 def test_engine_errors_fail_one_request(server, client, engine, monkeypatch):
     """An exception in add_request or in a step fails only the requests it
     touches (a 500 with an OpenAI body, or an error event in a stream); the
-    engine thread keeps serving."""
-    llm = engine.engine
-    for owner, name in [(llm, "add_request"), (llm.runner, "launch")]:
-        original = getattr(owner, name)
-
-        def fail_once(*args, _owner=owner, _name=name, _original=original, **kw):
-            monkeypatch.setattr(_owner, _name, _original)
-            raise RuntimeError("injected failure")
-
-        monkeypatch.setattr(owner, name, fail_once)
+    engine core keeps serving. The faults are injected in the engine core
+    process (inject_faults) for the FAIL_* prompts."""
+    for prompt in [FAIL_ADD, FAIL_STEP]:
         r = httpx.post(server.url + "/v1/completions", timeout=60,
-                       json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+                       json={"prompt": prompt, "max_tokens": 3, "temperature": 0})
         assert "injected failure" in assert_error(r, 500, "internal_error")["message"]
         r = client.completions.create(prompt="Hello", **{**GREEDY_REQUEST, "max_tokens": 3})
         assert r.choices[0].finish_reason == "length"     # served as if nothing had happened
         wait_idle(server)
-    monkeypatch.setattr(llm, "validate", lambda ids, params: {}["crash"])   # a handler bug
+    monkeypatch.setattr(engine.front, "validate", lambda ids, params: {}["crash"])  # a handler bug
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello"})
     assert "KeyError" in assert_error(r, 500, "internal_error")["message"]
     assert "Traceback" not in r.text
     monkeypatch.undo()
-    monkeypatch.setattr(llm.runner, "launch", lambda batch, input_ids=None: 1 / 0)
     with pytest.raises(Exception, match="ZeroDivisionError"):
-        stream_completion(client, prompt="Hello", **{**GREEDY_REQUEST, "max_tokens": 3})
-    monkeypatch.undo()
+        stream_completion(client, prompt=FAIL_BUG, **{**GREEDY_REQUEST, "max_tokens": 3})
     wait_idle(server)
+
+
+def test_engine_core_death_fails_requests():
+    """Killing the engine core process mid-stream ends the stream with an
+    error event; /health then answers 503, and new requests fail at once."""
+    cfg = server_config()
+    client = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(client, cfg))
+    try:
+        oai = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = oai.completions.create(prompt="Write a long story about a dragon.", stream=True,
+                                        **{**GREEDY_REQUEST, "max_tokens": 2000},
+                                        extra_body={"ignore_eos": True})
+        next(iter(stream))
+        client.process.kill()
+        with pytest.raises(APIError) as e:       # the error event, raised by the client
+            for _ in stream:
+                pass
+        assert "engine core" in str(e.value)
+        r = httpx.get(srv.url + "/health", timeout=10)
+        assert r.status_code == 503, r.text
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi"}, timeout=10)
+        assert "engine core" in assert_error(r, 503, "internal_error")["message"]
+    finally:
+        srv.stop()
+        client.shutdown()
