@@ -1221,11 +1221,11 @@ class EngineCore:
 
 
 # ---------------------------------------------------------------------------
-# Front end
-# Everything per request that the engine core never needs: tokenizing,
-# checking a request against the engine's limits, and turning token ids back
-# into text (incremental detokenization and stop strings). It runs in the
-# caller's process: the server's, or the one that calls LLM.generate.
+# Requests in, text out
+# The front end: everything per request that the engine core never needs.
+# It tokenizes, checks a request against the engine's limits, and turns token
+# ids back into text (incremental detokenization, stop strings). It runs in
+# the caller's process: the server's, or the one that calls LLM.generate.
 
 def load_tokenizer(model_dir: str):
     """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
@@ -1238,51 +1238,46 @@ def load_tokenizer(model_dir: str):
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list
-    token_ids: list                   # the completion only
-    text: str
-    finish_reason: Optional[str]      # "stop", "length", "abort" or "error"
-    num_cached_tokens: int            # prompt tokens served by the prefix cache
-    logprobs: list                    # per token: (logprob, {token_id: logprob}) if asked
-    prompt_logprobs: Optional[list]   # per prompt token after the first, if asked
-    arrival_time: float               # time.perf_counter() values
-    first_token_time: Optional[float]
-    finish_time: Optional[float]
+class Delta:
+    """What a request got since the last Delta taken from it: a stream sends
+    one per change, a non-streamed response takes one at the end (the whole)."""
+    index: int                        # which of a server request's choices
+    text: str                         # new text that is safe to send (may be "")
+    token_ids: list                   # the new tokens
+    logprobs: list                    # their (logprob, {token_id: logprob}), if asked
+    finish_reason: Optional[str]      # "stop" or "length" on the last one
+    prompt_logprobs: Optional[list]   # on the first one, if asked
 
 
 class RequestState:
-    """One request as the front end sees it: its tokens so far and their text."""
+    """One request as the front end sees it: its tokens so far and their
+    text. LLM.generate returns these, finished (vLLM's RequestOutput)."""
 
     def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams,
                  incremental: bool, index: int = 0):
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
         self.index = index                # which of a server request's choices
         self.incremental = incremental or bool(params.stop)  # text per step, not at the end
-        self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None
+        self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
         # the detokenizer's window, as indices into token_ids (not slices,
         # which would copy the whole completion every step)
         self.prefix_offset = self.read_offset = 0
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
-        self.arrival_time, self.first_token_time = time.perf_counter(), None
-        self.last_event_time: Optional[float] = None   # the server's, for latency histograms
-        self.finish_time: Optional[float] = None
+        self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
+        self.first_token_time = self.finish_time = None
+        self.last_token_time, self.num_timed_tokens = None, 0   # the server's latency clock
 
-    def take_new_text(self) -> str:
-        """The text a stream may send now: all of it once finished, otherwise
-        holding back a tail that could still grow into a stop string."""
+    def take_delta(self) -> Delta:
+        """Everything new since the last call. The text holds back a tail that
+        could still grow into a stop string, until the request finishes."""
         hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
         end = max(self.num_sent_chars, len(self.text) - hold)
-        new, self.num_sent_chars = self.text[self.num_sent_chars:end], end
-        return new
-
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_token_ids, self.token_ids, self.text,
-                             self.finish_reason, self.num_cached_tokens, self.logprobs,
-                             self.prompt_logprobs, self.arrival_time, self.first_token_time,
-                             self.finish_time)
+        n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
+        delta = Delta(self.index, self.text[self.num_sent_chars:end], self.token_ids[n:],
+                      self.logprobs[n:], self.finish_reason, self.prompt_logprobs if first else None)
+        self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
+        return delta
 
 
 class FrontEnd:
@@ -1296,18 +1291,17 @@ class FrontEnd:
     # -- requests in --
 
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.cfg.model} has no tokenizer.json: pass token ids")
-            if not prompt.isascii() and any(0xD800 <= ord(c) < 0xE000 for c in prompt):
-                raise ValueError("the text has a lone surrogate, which is not Unicode text")
-            # encode_batch runs in Rust without the GIL: a long prompt
-            # tokenized in a thread never stalls the server's event loop
-            return self.tokenizer.encode_batch(
-                [prompt], add_special_tokens=add_special_tokens)[0].ids
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("a prompt must be a string or a list of token ids")
-        return list(prompt)
+        if not isinstance(prompt, str):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("a prompt must be a string or a list of token ids")
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError(f"{self.cfg.model} has no tokenizer.json: pass token ids")
+        if not prompt.isascii() and any(0xD800 <= ord(c) < 0xE000 for c in prompt):
+            raise ValueError("the text has a lone surrogate, which is not Unicode text")
+        # encode_batch runs in Rust without the GIL: a long prompt tokenized
+        # in a thread never stalls the server's event loop
+        return self.tokenizer.encode_batch([prompt], add_special_tokens=add_special_tokens)[0].ids
 
     def validate(self, prompt_ids: list, params: SamplingParams):
         """Every check the engine core relies on, made before it sees the request."""
@@ -1343,7 +1337,7 @@ class FrontEnd:
             state = self.states.get(out.request_id)
             if state is None:                  # ended here already (stop string, abort)
                 continue
-            changed[state.request_id] = state
+            changed[out.request_id] = state
             state.first_token_time = state.first_token_time or now
             state.num_cached_tokens = out.num_cached_tokens
             state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
@@ -1396,7 +1390,7 @@ class FrontEnd:
 
 class LLM:
     """Offline generation in vLLM's shape:
-    LLM(model_dir).generate(prompts, SamplingParams(...)) -> [RequestOutput].
+    LLM(model_dir).generate(prompts, SamplingParams(...)) -> [RequestState].
     The engine core runs in this process: offline, nothing competes with it."""
 
     def __init__(self, model=DEFAULT_MODEL, **settings):   # a folder, or a whole Config
@@ -1437,7 +1431,7 @@ class LLM:
                 num_done = done
                 _progress(f"generate: {done}/{len(states)} done, "
                           f"{self.engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
-        return [s.output() for s in states]
+        return states
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -1508,9 +1502,9 @@ def _add_or_fail(core: EngineCore, request: EngineCoreRequest) -> list:
 # ---------------------------------------------------------------------------
 # Server
 # An OpenAI-compatible HTTP API on Starlette, in the server process. Handlers
-# parse a request, tokenize it (in a thread: tokenizers drops the GIL) and
-# await its TokenEvents; EngineCoreClient sends requests down the pipe and,
-# on the same event loop, turns each step's outputs into text and events.
+# parse a request, tokenize it (in a thread: tokenizers drops the GIL), send
+# it down the pipe through EngineCoreClient, and await its RequestStates,
+# which the client updates from each step's outputs on the same event loop.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1520,19 +1514,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-@dataclass
-class TokenEvent:
-    """What one choice of a request got since its last event (and, added up,
-    a whole choice of a non-streamed response)."""
-    index: int                        # which of the request's choices
-    text: str = ""                    # new text that is safe to send (may be "")
-    token_ids: list = field(default_factory=list)   # the new tokens
-    logprobs: list = field(default_factory=list)    # their (logprob, {token_id: logprob})
-    finish_reason: Optional[str] = None             # "stop" or "length" on the last event
-    error: str = ""                                 # the engine failed this request
-    prompt_logprobs: Optional[list] = None          # on the first event, if asked
 
 
 class Histogram:
@@ -1559,9 +1540,8 @@ class EngineCoreClient:
     """The server's side of the engine core: it starts the process, sends it
     requests and aborts, and reads its outputs on the event loop (a reader on
     the pipe, so no thread of ours competes for the GIL). Each step's outputs
-    go through the FrontEnd, and every request that changed gets one
-    TokenEvent on its queue: if the loop falls behind, several steps' tokens
-    arrive in one event."""
+    go through the FrontEnd, and every request that changed is put on its
+    queue: if the loop falls behind, several steps' tokens arrive at once."""
 
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
@@ -1579,7 +1559,7 @@ class EngineCoreClient:
             raise ValueError(ready)
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
         self.front = FrontEnd(cfg, self.stats["num_blocks"])
-        self.queues: dict[str, asyncio.Queue] = {}   # request_id -> its TokenEvents
+        self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
                               [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
         self.itl = Histogram("nanoserve_inter_token_latency_seconds",
@@ -1597,40 +1577,33 @@ class EngineCoreClient:
 
     async def generate(self, requests: list):
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each;
-        yield their TokenEvents. However the caller stops (done, client gone,
-        error), the `finally` aborts what still runs, so its KV blocks are
-        freed at the next step rather than when max_tokens runs out."""
-        events = asyncio.Queue()
+        yield a choice's RequestState whenever it changes. However the caller
+        stops (done, client gone, error), the `finally` aborts what still runs,
+        so its KV blocks are freed at the next step, not after max_tokens."""
+        changed = asyncio.Queue()
         requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
-        request_ids = [r.request_id for r in requests]
-        self.queues.update((request_id, events) for request_id in request_ids)
-        self._send(requests)
-        num_open = len(request_ids)
+        unfinished = {r.request_id for r in requests}
+        self.queues.update((request_id, changed) for request_id in unfinished)
         try:
-            while num_open:
-                event = await events.get()
-                if event.error:
-                    raise APIError(500, event.error, "internal_error")
-                num_open -= event.finish_reason is not None
-                yield event
-        finally:
-            self._forget([r for r in request_ids if r in self.front.states], abort=True)
-
-    def _send(self, requests: list):
-        try:
-            if not self.error:
+            if self.error:
+                raise APIError(503, self.error, "internal_error")
+            with contextlib.suppress(OSError):      # a dead process: _read says so
                 self.inbox.send(requests)
-        except OSError:                       # the process is gone; _read will say so
-            pass
-        if self.error:
-            self._forget([r.request_id for r in requests], abort=False)
-            raise APIError(503, self.error, "internal_error")
+            while unfinished:
+                state = await changed.get()
+                if state.error:
+                    raise APIError(500, state.error, "internal_error")
+                if state.request_id in unfinished:  # else a late repeat of a finished one
+                    if state.finish_reason is not None:
+                        unfinished.discard(state.request_id)
+                    yield state
+        finally:
+            for request_id in unfinished:
+                self.front.states.pop(request_id, None), self.queues.pop(request_id, None)
+            self._abort(list(unfinished))
 
-    def _forget(self, request_ids: list, abort: bool):
-        for request_id in request_ids:
-            self.front.states.pop(request_id, None)
-            self.queues.pop(request_id, None)
-        if abort and request_ids and not self.error:
+    def _abort(self, request_ids: list):
+        if request_ids and not self.error:
             with contextlib.suppress(OSError):
                 self.inbox.send(EngineCoreAbort(request_ids))
 
@@ -1646,43 +1619,37 @@ class EngineCoreClient:
         except (EOFError, OSError):
             self._engine_died()
         states, stopped = self.front.process(outputs)
-        if stopped and not self.error:
-            with contextlib.suppress(OSError):
-                self.inbox.send(EngineCoreAbort(stopped))
+        self._abort(stopped)
         now = time.perf_counter()
         for state in states:
             self._observe(state, now)
-            event = TokenEvent(state.index, state.take_new_text(),
-                               state.token_ids[state.num_sent_tokens:],
-                               state.logprobs[state.num_sent_tokens:], state.finish_reason,
-                               state.error, state.prompt_logprobs)
-            state.num_sent_tokens = len(state.token_ids)
             queue = self.queues.get(state.request_id)
             if state.finish_reason is not None:
                 self.queues.pop(state.request_id, None)
             if queue is not None:
-                queue.put_nowait(event)
+                queue.put_nowait(state)
 
     def _observe(self, state: RequestState, now: float):
         """Time to first token, and a gap per token after it (0 for tokens
         that arrive together, as the client sees them)."""
-        num_new = len(state.token_ids) - state.num_sent_tokens
-        if num_new and state.num_sent_tokens == 0:
-            self.ttft.observe(now - state.arrival_time)
-        elif num_new:
-            self.itl.observe(now - state.last_event_time)
-        for _ in range(num_new - 1):
-            self.itl.observe(0.0)
-        state.last_event_time = now
+        num_new = len(state.token_ids) - state.num_timed_tokens
+        if num_new:
+            first = state.last_token_time is None
+            (self.ttft if first else self.itl).observe(
+                now - (state.arrival_time if first else state.last_token_time))
+            for _ in range(num_new - 1):
+                self.itl.observe(0.0)
+            state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
 
     def _engine_died(self):
         """Every request in flight ends with an error; /health turns 503."""
         self.process.join(1)
         self.error = f"the engine core process exited (exit code {self.process.exitcode})"
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(self.outbox.fileno())
+        asyncio.get_running_loop().remove_reader(self.outbox.fileno())
         for request_id, queue in self.queues.items():
-            queue.put_nowait(TokenEvent(self.front.states[request_id].index, error=self.error))
+            state = self.front.states[request_id]
+            state.error = self.error
+            queue.put_nowait(state)
         self.front.states.clear(), self.queues.clear()
 
 
@@ -1872,10 +1839,10 @@ class _Shape:
                 "model": self.server.model_name, "choices": choices}
         return body if usage is None else {**body, "usage": usage}
 
-    def has_news(self, e: TokenEvent) -> bool:
-        """Whether a stream sends a chunk for e (a token whose text is held
+    def has_news(self, d: Delta) -> bool:
+        """Whether a stream sends a chunk for d (a token whose text is held
         back still carries its log-probs)."""
-        return bool(e.text) or (self.num_top_logprobs is not None and bool(e.token_ids))
+        return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
 
     def token_logprobs(self, token_ids: list, logprobs: list):
         """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
@@ -1899,29 +1866,29 @@ class _CompletionShape(_Shape):
     def opening(self, i: int) -> list:
         return []
 
-    def has_news(self, e: TokenEvent) -> bool:
-        return super().has_news(e) or (self.echoes[e.index // self.n] is not None
-                                       and e.index not in self.offsets)
+    def has_news(self, d: Delta) -> bool:
+        return super().has_news(d) or (self.echoes[d.index // self.n] is not None
+                                       and d.index not in self.offsets)
 
-    def choice(self, e: TokenEvent, final: bool = False) -> dict:
-        echo = self.echoes[e.index // self.n] if e.index not in self.offsets else None
-        self.offsets.setdefault(e.index, 0)
-        return {"index": e.index, "text": echo[0] + e.text if echo else e.text,
-                "logprobs": self.logprobs(e, echo) if self.num_top_logprobs is not None else None,
-                "finish_reason": e.finish_reason}
+    def choice(self, d: Delta, final: bool = False) -> dict:
+        echo = self.echoes[d.index // self.n] if d.index not in self.offsets else None
+        self.offsets.setdefault(d.index, 0)
+        return {"index": d.index, "text": echo[0] + d.text if echo else d.text,
+                "logprobs": self.logprobs(d, echo) if self.num_top_logprobs is not None else None,
+                "finish_reason": d.finish_reason}
 
-    def logprobs(self, e: TokenEvent, echo) -> dict:
+    def logprobs(self, d: Delta, echo) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         rows = []
         if echo:                              # the prompt's rows, the first one empty
             first = (self.server.token_text(echo[1][0]), None, None)
-            rows = [first, *self.token_logprobs(echo[1][1:], e.prompt_logprobs or [])]
+            rows = [first, *self.token_logprobs(echo[1][1:], d.prompt_logprobs or [])]
         for i, (text, logprob, top) in enumerate(
-                rows + list(self.token_logprobs(e.token_ids, e.logprobs))):
+                rows + list(self.token_logprobs(d.token_ids, d.logprobs))):
             if echo and i == len(rows):       # the completion starts after the echoed text
-                self.offsets[e.index] = len(echo[0])
-            offset = self.offsets[e.index]
-            self.offsets[e.index] = offset + len(text)
+                self.offsets[d.index] = len(echo[0])
+            offset = self.offsets[d.index]
+            self.offsets[d.index] = offset + len(text)
             for key, value in zip(out, (text, logprob, top if top is None else dict(top), offset)):
                 out[key].append(value)
         return out
@@ -1936,19 +1903,19 @@ class _ChatShape(_Shape):
         return [{"index": i, "delta": {"role": "assistant", "content": ""},
                  "logprobs": None, "finish_reason": None}]
 
-    def choice(self, e: TokenEvent, final: bool = False) -> dict:
-        message = {"role": "assistant", "content": e.text} if final \
-            else {"content": e.text} if e.token_ids else {}
-        return {"index": e.index, "message" if final else "delta": message,
-                "logprobs": self.logprobs(e), "finish_reason": e.finish_reason}
+    def choice(self, d: Delta, final: bool = False) -> dict:
+        message = {"role": "assistant", "content": d.text} if final \
+            else {"content": d.text} if d.token_ids else {}
+        return {"index": d.index, "message" if final else "delta": message,
+                "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
 
-    def logprobs(self, e: TokenEvent) -> Optional[dict]:
-        if self.num_top_logprobs is None or not e.token_ids:
+    def logprobs(self, d: Delta) -> Optional[dict]:
+        if self.num_top_logprobs is None or not d.token_ids:
             return None
         def entry(text, logprob):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
-                            for text, logprob, top in self.token_logprobs(e.token_ids, e.logprobs)]}
+                            for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
 
 
 def _sse(body: dict) -> str:
@@ -2134,44 +2101,43 @@ class OpenAIServer:
         self._validate(f, prompt_ids, params)
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
         num_prompt_tokens = sum(map(len, prompt_ids))
-        events = self.client.generate(choices)
+        states = self.client.generate(choices)
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return _EventStream(self._stream(shape, events, len(choices), num_prompt_tokens,
+            return _EventStream(self._stream(shape, states, len(choices), num_prompt_tokens,
                                              include_usage))
         result = await _unless_disconnected(
-            request, self._collect(shape, events, len(choices), num_prompt_tokens))
+            request, self._collect(shape, states, len(choices), num_prompt_tokens))
         return Response(status_code=499) if result is None else JSONResponse(result)
 
-    async def _collect(self, shape: _Shape, events, n: int, num_prompt_tokens: int) -> dict:
-        choices = [TokenEvent(i) for i in range(n)]
-        async with aclosing(events):
-            async for e in events:
-                c = choices[e.index]
-                c.text, c.finish_reason = c.text + e.text, e.finish_reason
-                c.token_ids += e.token_ids
-                c.logprobs += e.logprobs
-                c.prompt_logprobs = c.prompt_logprobs or e.prompt_logprobs
-        usage = _usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices))
-        return shape.envelope(shape.object, [shape.choice(c, final=True) for c in choices], usage)
+    async def _collect(self, shape: _Shape, states, n: int, num_prompt_tokens: int) -> dict:
+        """A non-streamed response: one Delta per choice, taken at the end."""
+        finished = {}
+        async with aclosing(states):
+            async for state in states:
+                finished[state.index] = state
+        choices = [finished[i].take_delta() for i in range(n)]
+        usage = _usage(num_prompt_tokens, sum(len(d.token_ids) for d in choices))
+        return shape.envelope(shape.object, [shape.choice(d, final=True) for d in choices], usage)
 
-    async def _stream(self, shape: _Shape, events, n: int, num_prompt_tokens: int,
+    async def _stream(self, shape: _Shape, states, n: int, num_prompt_tokens: int,
                       include_usage: bool):
+        """A stream: a chunk per Delta with news, then one with the finish_reason."""
         def chunk(choices, usage=None):
             return _sse(shape.envelope(shape.chunk_object, choices, usage))
         num_completion_tokens = 0
-        async with aclosing(events):
+        async with aclosing(states):
             try:
                 for i in range(n):
                     for choice in shape.opening(i):
                         yield chunk([choice])
-                async for e in events:
-                    num_completion_tokens += len(e.token_ids)
-                    if shape.has_news(e):
-                        yield chunk([shape.choice(dataclasses.replace(e, finish_reason=None))])
-                    if e.finish_reason is not None:
-                        last = TokenEvent(e.index, finish_reason=e.finish_reason)
-                        yield chunk([shape.choice(last)])
+                async for state in states:
+                    d = state.take_delta()
+                    num_completion_tokens += len(d.token_ids)
+                    if shape.has_news(d):
+                        yield chunk([shape.choice(dataclasses.replace(d, finish_reason=None))])
+                    if d.finish_reason is not None:
+                        yield chunk([shape.choice(Delta(d.index, "", [], [], d.finish_reason, None))])
                 if include_usage:
                     yield chunk([], _usage(num_prompt_tokens, num_completion_tokens))
             except APIError as e:     # the status line is gone: the error is an event
