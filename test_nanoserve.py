@@ -1108,3 +1108,126 @@ def test_engine_core_death_fails_requests():
     finally:
         srv.stop()
         client.shutdown()
+
+
+# -- what real clients send (batch prompts, content parts, refused fields) --
+
+def test_batch_prompts(client):
+    """A list of prompts is one request with n choices per prompt, numbered
+    prompt_index * n + choice as OpenAI numbers them; strings and token ids."""
+    prompts = ["The capital of France is", "My favourite colour is"]
+    kw = {**GREEDY_REQUEST, "max_tokens": 5, "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    ids = [ns.load_tokenizer(DEFAULT_MODEL)[0].encode(p).ids for p in prompts]
+    for batch in (prompts, ids):
+        r = client.completions.create(prompt=batch, n=2, **kw)
+        assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+        assert {c.index: c.text for c in r.choices} == {i: alone[i // 2] for i in range(4)}
+        assert r.usage.completion_tokens == 20
+        chunks = list(client.completions.create(prompt=batch, n=2, stream=True, **kw))
+        texts = {}
+        for c in chunks:
+            for choice in c.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+        assert texts == {i: alone[i // 2] for i in range(4)}
+
+
+def test_content_parts_tool_turns_and_models_retrieve(client):
+    text = [{"role": "user", "content": "Name a fruit."}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a fruit."}]}]
+    a = client.chat.completions.create(messages=text, **GREEDY_REQUEST).choices[0].message.content
+    b = client.chat.completions.create(messages=parts, **GREEDY_REQUEST).choices[0].message.content
+    assert a == b
+    turns = [*text, {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "1", "type": "function",
+                                     "function": {"name": "f", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "1", "content": "apple"}]
+    assert client.chat.completions.create(messages=turns, **GREEDY_REQUEST).choices[0].message.content
+    with pytest.raises(APIStatusError) as e:
+        client.chat.completions.create(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}], **GREEDY_REQUEST)
+    assert e.value.status_code == 400 and "image_url" in str(e.value)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(APIStatusError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.status_code == 404
+
+
+REFUSED = [({"response_format": {"type": "json_object"}}, "response_format"),
+           ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+           ({"tool_choice": "required"}, "tool_choice"),
+           ({"best_of": 3}, "best_of"),
+           ({"min_tokens": 4}, "min_tokens"),                   # not known: never ignored
+           ({"guided_json": {}}, "guided_json")]
+
+
+def test_refused_fields_name_themselves(server, client):
+    for fields, param in REFUSED:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+        assert assert_error(r, 400)["param"] == param, (fields, r.text)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "suffix": "!"})
+    assert assert_error(r, 400)["param"] == "suffix"
+    for fields in [{"user": "u1", "metadata": {"a": "b"}, "store": False},   # change nothing
+                   {"response_format": {"type": "text"}, "tool_choice": "none"}]:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+        assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "best_of": 2, "n": 2,
+                                                        "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+BAD_INPUTS = [  # raw bodies: none of them may reach a 500
+    (b'{"prompt": "\\ud800 hi"}', 400),
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
+    (b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", 400),   # 10**400
+    (b'{"prompt": "hi", "temperature": 1e400}', 400),
+    (b'{"prompt": "hi", "seed": 1' + b"0" * 30 + b"}", 400),           # past 64 bits
+    (b'{"prompt": "hi", "top_k": 1' + b"0" * 30 + b"}", 400),
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),          # deep nesting
+    (b'{"prompt": "hi", "max_tokens": 0}', 400),
+    (b'{"prompt": "hi", "max_tokens": 2, "seed": 18446744073709551615, "n": 2}', 200),
+]
+
+
+def test_bad_inputs_are_4xx_and_the_server_stays_up(server, capfd):
+    url = server.url + "/v1/completions"
+    for body, status in BAD_INPUTS:
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        r = httpx.post(server.url + path, content=body, timeout=60)
+        if status == 200:
+            assert r.status_code == 200, (body[:60], r.text)
+        else:
+            assert_error(r, status)
+            assert "Traceback" not in r.text
+    # lower-case scheme names are fine (an unkeyed server ignores the header)
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 1},
+                      headers={"Authorization": "bearer x"}, timeout=30).status_code == 200
+    # a huge body is refused, and /health answers quickly meanwhile
+    megabyte = b"a" * 2**20
+
+    def huge():                       # 64 MB, sent in chunks: no Content-Length to go by
+        yield b'{"prompt": "'
+        for _ in range(64):
+            yield megabyte
+            time.sleep(0.01)
+        yield b'"}'
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        r=httpx.post(url, content=huge(), timeout=60)))
+    health = []
+    with httpx.Client(base_url=server.url, timeout=5) as probe:
+        probe.get("/health")          # connected before the timing starts
+        thread.start()
+        while thread.is_alive():
+            start = time.perf_counter()
+            assert probe.get("/health").status_code == 200
+            health.append(time.perf_counter() - start)
+            time.sleep(0.01)
+    thread.join()
+    print(f"/health answered in at most {max(health) * 1e3:.1f} ms over {len(health)} probes")
+    assert_error(result["r"], 413)
+    assert max(health) < 0.1
+    wait_idle(server)
+    assert "Traceback" not in capfd.readouterr().err
