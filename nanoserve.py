@@ -20,10 +20,14 @@ Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
 Read it top to bottom: config -> loader -> layers -> model -> sampler ->
-block allocator -> scheduler -> engine -> server -> CLI. A request enters at
-the HTTP handler or LLM.generate, becomes a Sequence, is scheduled step by
-step into a flat batch, runs through Model.forward (attention reads the paged
-cache through paged_attention.py), is sampled, and leaves as text.
+block allocator -> scheduler -> model runner -> engine core -> front end ->
+engine core process -> server -> CLI. A request enters at the HTTP handler
+(or LLM.generate), is tokenized by the FrontEnd, and crosses a pipe to the
+engine core process as an EngineCoreRequest. There it becomes a Sequence, is
+scheduled step by step into a flat batch, runs through Model.forward
+(attention reads the paged cache through paged_attention.py) and is sampled;
+each step's token ids cross back as EngineCoreOutputs, and the FrontEnd
+turns them into text for the HTTP stream.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -1464,29 +1470,43 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         outbox.send(f"the engine core failed to start: {e}")
         return
     outbox.send(EngineCoreOutputs([], core.stats()))         # ready
+    # A thread drains the inbox into a queue as messages arrive, so the
+    # server can always send, even while this loop waits to send its own
+    # outputs to a server that is busy: two full pipes would deadlock.
+    inbox_queue = queue.Queue()
+    threading.Thread(target=_drain, args=(inbox, inbox_queue), daemon=True).start()
     while True:
+        # Block only when idle; while sequences run, take what has arrived.
+        messages = [] if core.has_unfinished() else [inbox_queue.get()]
+        while not inbox_queue.empty():
+            messages.append(inbox_queue.get_nowait())
         outputs = []
+        for message in messages:
+            if message is None:               # the server stopped, or is gone
+                return
+            if isinstance(message, EngineCoreAbort):
+                for request_id in message.request_ids:
+                    core.abort_request(request_id)
+            for request in message if isinstance(message, list) else []:
+                outputs += _add_or_fail(core, request)
+        if core.has_unfinished():
+            try:
+                outputs += core.step()
+            except Exception as e:            # fails the running requests, not the process
+                traceback.print_exc()
+                outputs += core.fail_running(e)
         try:
-            if not core.has_unfinished():
-                inbox.poll(None)              # idle: sleep until a message comes
-            while inbox.poll():               # busy: take what has arrived, then step
-                message = inbox.recv()
-                if message is None:           # the server is shutting down
-                    return
-                if isinstance(message, EngineCoreAbort):
-                    for request_id in message.request_ids:
-                        core.abort_request(request_id)
-                for request in message if isinstance(message, list) else []:
-                    outputs += _add_or_fail(core, request)
-            if core.has_unfinished():
-                try:
-                    outputs += core.step()
-                except Exception as e:        # fails the running requests, not the process
-                    traceback.print_exc()
-                    outputs += core.fail_running(e)
             outbox.send(EngineCoreOutputs(outputs, core.stats()))
-        except (EOFError, OSError):           # the server is gone: so is the engine core
+        except OSError:                       # the server is gone: so is the engine core
             return
+
+
+def _drain(inbox, inbox_queue: queue.Queue):
+    try:
+        while True:
+            inbox_queue.put(inbox.recv())
+    except (EOFError, OSError):               # the server is gone: tell the loop
+        inbox_queue.put(None)
 
 
 def _add_or_fail(core: EngineCore, request: EngineCoreRequest) -> list:
@@ -2222,7 +2242,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt", help="the prompt text")
-    add_dataclass_flags(gen, Config, skip=("host", "port", "api_key"))
+    add_dataclass_flags(gen, Config, skip=("host", "port", "api_key", "max_request_bytes"))
     add_dataclass_flags(gen, SamplingParams)
     gen.set_defaults(max_tokens=128)
     srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -2234,7 +2254,7 @@ def run_generate(cfg: Config, prompt: str, params: SamplingParams):
     llm = LLM(cfg)
     state = llm.add(llm.front.encode(prompt), params, incremental=True)
     for _ in llm.run():
-        print(state.take_new_text(), end="", flush=True)
+        print(state.take_delta().text, end="", flush=True)
     print()
 
 
