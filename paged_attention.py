@@ -564,3 +564,255 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         num_warps=4, num_stages=2,
     )
     return out
+
+
+# ----------------------------------------------------------------------------
+# Skinny matmul (GEMV) for decode batches
+# With a few rows, y = x W^T is one read of the weight W and almost no math, so
+# its time is the weight's bytes over the memory bandwidth, and whatever else
+# the layer does to x (RMSNorm, SiLU-and-mul, the residual add) costs a launch
+# and a wait of its own. This kernel reads W once and does those elementwise
+# steps on its way in (prologue) and out (epilogue).
+
+# Rows up to which the engine takes this kernel. Each further row re-reads W
+# (from L2 at best), and on an H200 two rows already lose to cuBLAS with
+# separate elementwise kernels, so it serves batch-1 decode.
+GEMV_MAX_ROWS = 1
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,       # (M, K) input rows; (M, 2 K), gate then up, when SILU_MUL
+    w_ptr,       # (N, K) weight, rows contiguous as nn.Linear stores it
+    out_ptr,     # (M, N) result
+    norm_w_ptr,  # (K,) RMSNorm weight, read only when NORM
+    res_ptr,     # (M, N) residual added to the result, read only when RESIDUAL
+    N,           # output features
+    K,           # input features
+    eps,         # RMSNorm epsilon
+    stride_xm,   # x stride between rows
+    stride_wn,   # w stride between rows
+    stride_om,   # out stride between rows
+    stride_rm,   # residual stride between rows
+    BLOCK_N: tl.constexpr,   # output features per program
+    BLOCK_K: tl.constexpr,   # input features per loop step
+    NORM: tl.constexpr,      # x -> norm_w * RMSNorm(x)
+    SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
+    RESIDUAL: tl.constexpr,  # out = residual + x W^T
+):
+    """Program (m, p) computes out[m, p * BLOCK_N : (p + 1) * BLOCK_N] over all of K.
+
+    Each program streams its BLOCK_N rows of W, BLOCK_K columns at a time,
+    multiplying them elementwise by the matching slice of x into a
+    (BLOCK_N, BLOCK_K) fp32 accumulator that is summed over K only once, at
+    the end (plain FMAs in the loop, no shuffles). The rows m of x vary
+    fastest over the grid, so the programs that read one tile of W run side
+    by side and all but the first find it in L2. No tensor cores: padding one
+    row to a 16-row tile would multiply the prologue's work by 16, and every
+    program repeats that work for its slice of x (K elements per row; cheap
+    next to its BLOCK_N * K weights).
+
+    Rounding follows the unfused layers: RMSNorm computes x / rms in fp32,
+    rounds to x's dtype, then multiplies by its weight in that dtype;
+    SiLU-and-mul computes in fp32 and rounds once; the residual is added to
+    the rounded product. Memory traffic: N * K weights, plus M * (K + N).
+    """
+    tl.static_assert(not (NORM and SILU_MUL), "one prologue at a time")
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    x_row = x_ptr + m * stride_xm
+    dtype = w_ptr.dtype.element_ty
+
+    if NORM:  # -- first pass: 1 / rms of the row --
+        sum_sq = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            sum_sq += xk * xk
+        rstd = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # -- this step's slice of x, through the prologue --
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        if SILU_MUL:
+            gate = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            up = tl.load(x_row + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            a = (gate * tl.sigmoid(gate) * up).to(dtype)
+        else:
+            a = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
+        if NORM:
+            h = (a.to(tl.float32) * rstd).to(dtype)
+            a = tl.load(norm_w_ptr + offs_k, mask=mask_k, other=0.0) * h
+        # -- the weight tile: the only bytes that matter --
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+
+    y = tl.sum(acc, 1).to(dtype)  # (BLOCK_N,)
+    if RESIDUAL:
+        r = tl.load(res_ptr + m * stride_rm + offs_n, mask=mask_n)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + m * stride_om + offs_n, y, mask=mask_n)
+
+
+def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None):
+    """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
+    SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding."""
+    if silu_mul:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (F.silu(gate) * up).to(x.dtype)
+    if norm_weight is not None:
+        h = x.float()
+        x = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = F.linear(x, weight)
+    return y if residual is None else (residual.float() + y.float()).to(y.dtype)
+
+
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); chosen by a sweep on an
+# H200 (bf16, Llama-3.2-1B shapes, one row, each with its own prologue and
+# epilogue) in CUDA graphs. num_stages is moot: only tl.dot loads are pipelined.
+def _gemv_config(N, K):
+    if N > 65536:       # the LM head: enough programs with 16 rows each
+        return 16, 256, 4, 1
+    if K > 4096:        # the down projection
+        return 16, 512, 4, 1
+    return 8, 512, 4, 1
+
+
+def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None):
+    """gemv_ref in one launch, meant for a few rows (see GEMV_MAX_ROWS). No host sync."""
+    M, K_in = x.shape
+    N, K = weight.shape
+    assert K_in == (2 * K if silu_mul else K), f"x has {K_in} features, weight {K}"
+    assert x.dtype == weight.dtype and x.stride(1) == 1 and weight.stride(1) == 1
+    assert norm_weight is None or (norm_weight.shape == (K,) and norm_weight.is_contiguous())
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1
+    if residual is not None:
+        assert residual.shape == out.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    if M == 0:
+        return out
+    BLOCK_N, BLOCK_K, num_warps, num_stages = _gemv_config(N, K)
+    BLOCK_K = min(BLOCK_K, max(16, triton.next_power_of_2(K)))
+    _gemv_kernel[(M, triton.cdiv(N, BLOCK_N))](
+        x, weight, out,
+        weight if norm_weight is None else norm_weight,  # never read without NORM
+        out if residual is None else residual,           # never read without RESIDUAL
+        N, K, eps, x.stride(0), weight.stride(0), out.stride(0),
+        out.stride(0) if residual is None else residual.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NORM=norm_weight is not None, SILU_MUL=silu_mul,
+        RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------
+# RoPE fused into the KV store
+# Rotary embeddings touch q and k once, just before k is written to the pool:
+# one program per token rotates its q in place and its k on the way into the
+# pool, and copies v, so rotation and store cost one launch instead of two.
+
+@triton.jit
+def _rotate_half(ptr, offs, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate the rows at ptr + offs in the "rotate half" layout of
+    transformers (channel i pairs with i + hd/2), in fp32; returns both halves."""
+    x1 = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rope_store_kvcache_kernel(
+    q_ptr,             # (N_tok, n_heads, hd) queries, rotated in place; rows may be strided
+    k_ptr,             # (N_tok, n_kv, hd) new keys, rows may be strided (not modified)
+    v_ptr,             # (N_tok, n_kv, hd) new values, rows may be strided
+    k_cache_ptr,       # (num_blocks, block_size, n_kv, hd) contiguous key pool
+    v_cache_ptr,       # (num_blocks, block_size, n_kv, hd) contiguous value pool
+    slot_mapping_ptr,  # (N_tok,) int64 destination slot of each token, -1 = skip
+    positions_ptr,     # (N_tok,) int64 position of each token in its sequence
+    cos_ptr,           # (max_model_len, hd/2) fp32 cos of position * frequency
+    sin_ptr,           # (max_model_len, hd/2) fp32 sin of the same
+    n_heads,           # query heads per token
+    n_kv,              # kv heads per token
+    stride_qt,         # q stride between tokens
+    stride_qh,         # q stride between heads
+    stride_kt,         # k stride between tokens
+    stride_kh,         # k stride between heads
+    stride_vt,         # v stride between tokens
+    stride_vh,         # v stride between heads
+    N_HEADS_PAD: tl.constexpr,  # n_heads rounded up to a power of two
+    N_KV_PAD: tl.constexpr,     # n_kv rounded up to a power of two
+    HEAD_DIM: tl.constexpr,     # hd
+):
+    """One program handles one token: q and k rotated by the token's position
+    (x1, x2 = halves; x -> [x1 cos - x2 sin, x2 cos + x1 sin], in fp32), then
+    k and v stored at slot * n_kv * hd as in store_kvcache. A padding token
+    (slot -1) still rotates its q, which nobody reads.
+    Memory traffic: q read and written, k and v read and written once."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    t = tl.program_id(0)
+    pos = tl.load(positions_ptr + t)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + offs_d)[None, :]  # (1, HALF)
+    sin = tl.load(sin_ptr + pos * HALF + offs_d)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    # -- q, in place --
+    offs_h = tl.arange(0, N_HEADS_PAD)
+    mask = (offs_h < n_heads)[:, None]
+    offs_q = t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]  # (N_HEADS_PAD, HALF)
+    q1, q2 = _rotate_half(q_ptr, offs_q, cos, sin, mask, HALF)
+    tl.store(q_ptr + offs_q, q1.to(dtype), mask=mask)
+    tl.store(q_ptr + offs_q + HALF, q2.to(dtype), mask=mask)
+    # -- k rotated and v copied into the pool --
+    slot = tl.load(slot_mapping_ptr + t)  # int64: slot * n_kv * hd can pass 2**31
+    if slot < 0:  # padding token: its slot belongs to nobody
+        return
+    offs_h = tl.arange(0, N_KV_PAD)
+    mask = (offs_h < n_kv)[:, None]
+    k1, k2 = _rotate_half(k_ptr, t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                          cos, sin, mask, HALF)
+    offs_v = t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    v1 = tl.load(v_ptr + offs_v, mask=mask)
+    v2 = tl.load(v_ptr + offs_v + HALF, mask=mask)
+    offs_cache = slot * n_kv * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]  # (N_KV_PAD, HALF)
+    tl.store(k_cache_ptr + offs_cache, k1.to(dtype), mask=mask)
+    tl.store(k_cache_ptr + offs_cache + HALF, k2.to(dtype), mask=mask)
+    tl.store(v_cache_ptr + offs_cache, v1, mask=mask)
+    tl.store(v_cache_ptr + offs_cache + HALF, v2, mask=mask)
+
+
+def rope_store_kvcache_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin):
+    cos, sin = cos[positions][:, None], sin[positions][:, None]  # (N_tok, 1, hd/2)
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    q.copy_(rotate(q))
+    store_kvcache_ref(rotate(k), v, k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin):
+    """Rotate q in place and store rotated k and v at their slots. No host sync."""
+    _check_cache(k_cache, v_cache)
+    N_tok, n_heads, hd = q.shape
+    n_kv = k.shape[1]
+    assert k.shape == v.shape == (N_tok, n_kv, hd) and k_cache.shape[2:] == (n_kv, hd)
+    assert q.dtype == k.dtype == v.dtype == k_cache.dtype
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "heads must be contiguous"
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (N_tok,)
+    assert positions.dtype == torch.int64 and positions.shape == (N_tok,)
+    assert slot_mapping.is_contiguous() and positions.is_contiguous()
+    assert cos.shape == sin.shape and cos.shape[1] == hd // 2 and cos.dtype == torch.float32
+    assert cos.is_contiguous() and sin.is_contiguous()
+    if N_tok == 0:
+        return
+    _rope_store_kvcache_kernel[(N_tok,)](
+        q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, n_heads, n_kv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        N_HEADS_PAD=triton.next_power_of_2(n_heads), N_KV_PAD=triton.next_power_of_2(n_kv),
+        HEAD_DIM=hd,
+    )
