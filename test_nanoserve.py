@@ -636,20 +636,26 @@ GEMV_CASES = pytest.mark.parametrize("norm,silu_mul,residual", [
 
 @DEVICE_DTYPES
 @GEMV_CASES
-@pytest.mark.parametrize("M,N,K", [(1, 80, 96), (3, 48, 64), (4, 40, 160)])
-def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K):
-    """Against gemv_ref (F.linear) in fp32 on the same inputs; N and K that are
-    not multiples of the tiles exercise the masks."""
+@pytest.mark.parametrize("M,N,K,split_k", [(1, 80, 96, 1), (3, 48, 64, 1), (1, 40, 160, 4), (2, 48, 96, 3)])
+def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K, split_k, monkeypatch):
+    """Against gemv_ref (F.linear) in fp32 on the same inputs. N and K that are
+    not multiples of the tiles exercise the masks; split_k 4 over K = 160 in
+    32-column steps leaves the last split empty. Run twice: the split-K
+    counts must be back at 0 after each launch."""
+    monkeypatch.setattr(pa, "_gemv_config", lambda N, K: (16, 32, split_k))
     gen = torch.Generator().manual_seed(M * N + K)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     x, w = rand(M, 2 * K if silu_mul else K), rand(N, K) / K ** 0.5
     norm_w = rand(K) if norm else None
     res = rand(M, N) if residual else None
-    out = nan_like(torch.empty(M, N, dtype=dtype, device=device))
-    assert pa.gemv(x, w, norm_w, 1e-5, silu_mul, res, out=out) is out
     up = lambda t: None if t is None else t.float()  # noqa: E731
     ref = pa.gemv_ref(x.float(), w.float(), up(norm_w), 1e-5, silu_mul, up(res))
-    compare(out, ref, dtype, f"gemv M={M} N={N} K={K} norm={norm} silu={silu_mul} res={residual}")
+    for _ in range(2):
+        out = nan_like(torch.empty(M, N, dtype=dtype, device=device))
+        assert pa.gemv(x, w, norm_w, 1e-5, silu_mul, res, out=out) is out
+        compare(out, ref, dtype, f"gemv M={M} N={N} K={K} split {split_k} norm={norm} "
+                                 f"silu={silu_mul} res={residual}")
+        assert (pa._split_k_counts(out.device) == 0).all(), "split-K counts not reset"
 
 
 @pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
