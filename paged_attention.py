@@ -6,12 +6,16 @@ Serving keeps the keys and values of every running sequence in one pool of
 fixed-size blocks (the paged KV cache) instead of one long tensor per
 sequence, so memory is handed out block by block and never fragments. A
 sequence finds its tokens through its `block_table`, the list of block ids it
-owns in order. This file holds the three kernels that touch that pool:
+owns in order. This file holds the kernels that touch that pool:
 
     store_kvcache            write this step's new K/V into their slots
     paged_attention_decode   one query token per sequence (flash-decoding)
     paged_attention_prefill  many query tokens per sequence, causal, varlen;
                              also serves chunked prefill and decode rows
+    rope_store_kvcache       RoPE on q and k fused into store_kvcache
+
+and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
+SiLU-and-mul to its input and adds the residual to its output.
 
 Each kernel reads K/V straight from the pool through the block table (K/V are
 never gathered or repeated for grouped-query attention), and each wrapper only
