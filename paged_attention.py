@@ -6,12 +6,16 @@ Serving keeps the keys and values of every running sequence in one pool of
 fixed-size blocks (the paged KV cache) instead of one long tensor per
 sequence, so memory is handed out block by block and never fragments. A
 sequence finds its tokens through its `block_table`, the list of block ids it
-owns in order. This file holds the three kernels that touch that pool:
+owns in order. This file holds the kernels that touch that pool:
 
     store_kvcache            write this step's new K/V into their slots
     paged_attention_decode   one query token per sequence (flash-decoding)
     paged_attention_prefill  many query tokens per sequence, causal, varlen;
                              also serves chunked prefill and decode rows
+    rope_store_kvcache       RoPE on q and k fused into store_kvcache
+
+and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
+SiLU-and-mul to its input and adds the residual to its output.
 
 Each kernel reads K/V straight from the pool through the block table (K/V are
 never gathered or repeated for grouped-query attention), and each wrapper only
@@ -564,3 +568,310 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         num_warps=4, num_stages=2,
     )
     return out
+
+
+# ----------------------------------------------------------------------------
+# Skinny matmul (GEMV) for decode batches
+# With a few rows, y = x W^T is one read of the weight W and almost no math, so
+# its time is the weight's bytes over the memory bandwidth, and whatever else
+# the layer does to x (RMSNorm, SiLU-and-mul, the residual add) costs a launch
+# and a wait of its own. This kernel reads W once and does those elementwise
+# steps on its way in (prologue) and out (epilogue).
+
+# Rows up to which the engine takes this kernel. Each further row re-reads W
+# (from L2 at best), and on an H200 two rows already lose to cuBLAS with
+# separate elementwise kernels, so it serves batch-1 decode.
+GEMV_MAX_ROWS = 1
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,       # (M, K) input rows; (M, 2 K), gate then up, when SILU_MUL
+    w_ptr,       # (N, K) weight, rows contiguous as nn.Linear stores it
+    out_ptr,     # (M, N) result
+    norm_w_ptr,  # (K,) RMSNorm weight, read only when NORM
+    res_ptr,     # (M, N) residual added to the result, read only when RESIDUAL
+    part_ptr,    # (M, SPLIT_K, N) fp32 partial sums of the K splits (scratch)
+    counts_ptr,  # (M * cdiv(N, BLOCK_N),) int32 splits finished per tile, 0 between launches
+    N,           # output features
+    K,           # input features
+    eps,         # RMSNorm epsilon
+    stride_xm,   # x stride between rows
+    stride_wn,   # w stride between rows
+    stride_om,   # out stride between rows
+    stride_rm,   # residual stride between rows
+    BLOCK_N: tl.constexpr,   # output features per program
+    BLOCK_K: tl.constexpr,   # input features per loop step
+    SPLIT_K: tl.constexpr,   # programs sharing one tile's K
+    NORM: tl.constexpr,      # x -> norm_w * RMSNorm(x)
+    SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
+    RESIDUAL: tl.constexpr,  # out = residual + x W^T
+):
+    """Program (m, tile, split) computes out[m, tile * BLOCK_N : (tile + 1) * BLOCK_N]
+    over the split-th of SPLIT_K equal runs of K.
+
+    Each program streams its BLOCK_N rows of W, BLOCK_K columns at a time,
+    multiplying them elementwise by the matching slice of x into a
+    (BLOCK_N, BLOCK_K) fp32 accumulator that is summed over K only once, at
+    the end (plain FMAs in the loop, no shuffles). No tensor cores: padding one
+    row to a 16-row tile would multiply the prologue's work by 16, and every
+    program repeats that work for its slice of x (cheap next to its weights).
+
+    Split-K: a matrix with few output tiles (N / BLOCK_N programs, ~1 per SM)
+    cannot keep enough loads in flight to fill the memory bus, so SPLIT_K
+    programs share each tile. Each writes its fp32 partial sum, then counts
+    itself in with an atomic; the last to arrive adds the partials in split
+    order (so the result never depends on timing), applies the epilogue and
+    sets the count back to 0 for the next launch. One launch, no second pass.
+
+    Rounding follows the unfused layers: RMSNorm computes x / rms in fp32,
+    rounds to x's dtype, then multiplies by its weight in that dtype;
+    SiLU-and-mul computes in fp32 and rounds once; the residual is added to
+    the rounded product. Memory traffic: N * K weights, plus M * (K + N) and
+    the partials, 2 * M * SPLIT_K * N fp32.
+    """
+    tl.static_assert(not (NORM and SILU_MUL), "one prologue at a time")
+    m = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    x_row = x_ptr + m * stride_xm
+    dtype = w_ptr.dtype.element_ty
+
+    # This split's run of K, and its first weight tile, requested at once so
+    # that its latency overlaps the norm's first pass. Then prefetching: each
+    # step asks for the next tile before it computes on the current one, two
+    # tiles in flight per program (Triton pipelines only tl.dot operands).
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, BLOCK_K) at column 0
+    w = tl.load(w_ptrs + k_lo, mask=mask_n[:, None] & (offs_k + k_lo < k_hi)[None, :], other=0.0)
+
+    if NORM:  # -- first pass: 1 / rms of the whole row, whatever the split --
+        sum_sq = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+            sum_sq += xk * xk
+        rstd = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        # -- the next weight tile is requested before this one is used --
+        mask_next = mask_n[:, None] & (offs_k + k0 + BLOCK_K < k_hi)[None, :]
+        w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=mask_next, other=0.0)  # (BLOCK_N, BLOCK_K)
+        # -- this step's slice of x, through the prologue --
+        offs_xk = k0 + offs_k
+        mask_k = offs_xk < k_hi
+        if SILU_MUL:
+            gate = tl.load(x_row + offs_xk, mask=mask_k, other=0.0).to(tl.float32)
+            up = tl.load(x_row + K + offs_xk, mask=mask_k, other=0.0).to(tl.float32)
+            a = (gate * tl.sigmoid(gate) * up).to(dtype)
+        else:
+            a = tl.load(x_row + offs_xk, mask=mask_k, other=0.0)
+        if NORM:
+            h = (a.to(tl.float32) * rstd).to(dtype)
+            a = tl.load(norm_w_ptr + offs_xk, mask=mask_k, other=0.0) * h
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        w = w_next
+    y = tl.sum(acc, 1)  # (BLOCK_N,) fp32
+
+    if SPLIT_K > 1:  # -- the last split of the tile to finish adds up all of them --
+        tl.store(part_ptr + (m * SPLIT_K + split) * N + offs_n, y, mask=mask_n)
+        tl.debug_barrier()  # all of this program's partial is written before it counts in
+        count_ptr = counts_ptr + m * tl.num_programs(1) + tile
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel") < SPLIT_K - 1:
+            return
+        tl.atomic_xchg(count_ptr, 0)
+        y = tl.zeros([BLOCK_N], tl.float32)
+        for s in range(SPLIT_K):  # ".cg": read the other SMs' partials from L2, not a stale L1
+            y += tl.load(part_ptr + (m * SPLIT_K + s) * N + offs_n, mask=mask_n, cache_modifier=".cg")
+
+    y = y.to(dtype)
+    if RESIDUAL:
+        r = tl.load(res_ptr + m * stride_rm + offs_n, mask=mask_n)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + m * stride_om + offs_n, y, mask=mask_n)
+
+
+def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None):
+    """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
+    SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding."""
+    if silu_mul:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (F.silu(gate) * up).to(x.dtype)
+    if norm_weight is not None:
+        h = x.float()
+        x = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = F.linear(x, weight)
+    return y if residual is None else (residual.float() + y.float()).to(y.dtype)
+
+
+# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K), from a sweep on an H200 (bf16, one
+# row, Llama-3.2-1B shapes each with its own prologue and epilogue, timed in
+# CUDA graphs over weights that do not fit in L2): per call, qkv 6.1 us, o 4.9,
+# gate_up 20.4, down 12.5 and the LM head 126 (cuBLAS: 6.4, 6.1, 18.5, 14.1,
+# 126, before any norm, activation or add).
+def _gemv_config(N, K):
+    if N > 65536:       # the LM head
+        return 16, 128, 1
+    if K > 4096:        # down: 2048 outputs are too few tiles to fill the GPU alone
+        return 8, 256, 4
+    if N > 8192:        # gate_up
+        return 16, 256, 1
+    return 8, 512, 1    # qkv, o
+
+
+GEMV_NUM_COUNTERS = 1 << 16  # split-K tiles one launch may have
+
+
+@functools.lru_cache(maxsize=None)
+def _split_k_counts(device):
+    """Split-K arrival counts. Every launch leaves them at 0 (the last program
+    of each tile resets its own), so one zeroed buffer serves all launches."""
+    assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+        "call gemv once outside CUDA-graph capture first: a captured zeroing never runs"
+    return torch.zeros(GEMV_NUM_COUNTERS, dtype=torch.int32, device=device)
+
+
+def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None):
+    """gemv_ref in one launch, meant for a few rows (see GEMV_MAX_ROWS). No host sync."""
+    M, K_in = x.shape
+    N, K = weight.shape
+    assert K_in == (2 * K if silu_mul else K), f"x has {K_in} features, weight {K}"
+    assert x.dtype == weight.dtype and x.stride(1) == 1 and weight.stride(1) == 1
+    assert norm_weight is None or (norm_weight.shape == (K,) and norm_weight.is_contiguous())
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1
+    if residual is not None:
+        assert residual.shape == out.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    if M == 0:
+        return out
+    BLOCK_N, BLOCK_K, SPLIT_K = _gemv_config(N, K)
+    BLOCK_K = min(BLOCK_K, max(16, triton.next_power_of_2(K)))
+    SPLIT_K = min(SPLIT_K, triton.cdiv(K, BLOCK_K))
+    grid = (M, triton.cdiv(N, BLOCK_N), SPLIT_K)
+    assert M * grid[1] <= GEMV_NUM_COUNTERS
+    part = torch.empty(M, SPLIT_K, N, dtype=torch.float32, device=x.device) if SPLIT_K > 1 else out
+    _gemv_kernel[grid](
+        x, weight, out,
+        weight if norm_weight is None else norm_weight,  # never read without NORM
+        out if residual is None else residual,           # never read without RESIDUAL
+        part, _split_k_counts(x.device),                 # never touched without SPLIT_K > 1
+        N, K, eps, x.stride(0), weight.stride(0), out.stride(0),
+        out.stride(0) if residual is None else residual.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, NORM=norm_weight is not None,
+        SILU_MUL=silu_mul, RESIDUAL=residual is not None, num_warps=4,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------
+# RoPE fused into the KV store
+# Rotary embeddings touch q and k once, just before k is written to the pool:
+# one program per token rotates its q in place and its k on the way into the
+# pool, and copies v, so rotation and store cost one launch instead of two.
+
+@triton.jit
+def _rotate_half(ptr, offs, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate the rows at ptr + offs in the "rotate half" layout of
+    transformers (channel i pairs with i + hd/2), in fp32; returns both halves."""
+    x1 = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rope_store_kvcache_kernel(
+    q_ptr,             # (N_tok, n_heads, hd) queries, rotated in place; rows may be strided
+    k_ptr,             # (N_tok, n_kv, hd) new keys, rows may be strided (not modified)
+    v_ptr,             # (N_tok, n_kv, hd) new values, rows may be strided
+    k_cache_ptr,       # (num_blocks, block_size, n_kv, hd) contiguous key pool
+    v_cache_ptr,       # (num_blocks, block_size, n_kv, hd) contiguous value pool
+    slot_mapping_ptr,  # (N_tok,) int64 destination slot of each token, -1 = skip
+    positions_ptr,     # (N_tok,) int64 position of each token in its sequence
+    cos_ptr,           # (max_model_len, hd/2) fp32 cos of position * frequency
+    sin_ptr,           # (max_model_len, hd/2) fp32 sin of the same
+    n_heads,           # query heads per token
+    n_kv,              # kv heads per token
+    stride_qt,         # q stride between tokens
+    stride_qh,         # q stride between heads
+    stride_kt,         # k stride between tokens
+    stride_kh,         # k stride between heads
+    stride_vt,         # v stride between tokens
+    stride_vh,         # v stride between heads
+    N_HEADS_PAD: tl.constexpr,  # n_heads rounded up to a power of two
+    N_KV_PAD: tl.constexpr,     # n_kv rounded up to a power of two
+    HEAD_DIM: tl.constexpr,     # hd
+):
+    """One program handles one token: q and k rotated by the token's position
+    (x1, x2 = halves; x -> [x1 cos - x2 sin, x2 cos + x1 sin], in fp32), then
+    k and v stored at slot * n_kv * hd as in store_kvcache. A padding token
+    (slot -1) still rotates its q, which nobody reads.
+    Memory traffic: q read and written, k and v read and written once."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    t = tl.program_id(0)
+    pos = tl.load(positions_ptr + t)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + offs_d)[None, :]  # (1, HALF)
+    sin = tl.load(sin_ptr + pos * HALF + offs_d)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    # -- q, in place --
+    offs_h = tl.arange(0, N_HEADS_PAD)
+    mask = (offs_h < n_heads)[:, None]
+    offs_q = t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]  # (N_HEADS_PAD, HALF)
+    q1, q2 = _rotate_half(q_ptr, offs_q, cos, sin, mask, HALF)
+    tl.store(q_ptr + offs_q, q1.to(dtype), mask=mask)
+    tl.store(q_ptr + offs_q + HALF, q2.to(dtype), mask=mask)
+    # -- k rotated and v copied into the pool --
+    slot = tl.load(slot_mapping_ptr + t)  # int64: slot * n_kv * hd can pass 2**31
+    if slot < 0:  # padding token: its slot belongs to nobody
+        return
+    offs_h = tl.arange(0, N_KV_PAD)
+    mask = (offs_h < n_kv)[:, None]
+    k1, k2 = _rotate_half(k_ptr, t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                          cos, sin, mask, HALF)
+    offs_v = t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    v1 = tl.load(v_ptr + offs_v, mask=mask)
+    v2 = tl.load(v_ptr + offs_v + HALF, mask=mask)
+    offs_cache = slot * n_kv * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]  # (N_KV_PAD, HALF)
+    tl.store(k_cache_ptr + offs_cache, k1.to(dtype), mask=mask)
+    tl.store(k_cache_ptr + offs_cache + HALF, k2.to(dtype), mask=mask)
+    tl.store(v_cache_ptr + offs_cache, v1, mask=mask)
+    tl.store(v_cache_ptr + offs_cache + HALF, v2, mask=mask)
+
+
+def rope_store_kvcache_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin):
+    cos, sin = cos[positions][:, None], sin[positions][:, None]  # (N_tok, 1, hd/2)
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    q.copy_(rotate(q))
+    store_kvcache_ref(rotate(k), v, k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin):
+    """Rotate q in place and store rotated k and v at their slots. No host sync."""
+    _check_cache(k_cache, v_cache)
+    N_tok, n_heads, hd = q.shape
+    n_kv = k.shape[1]
+    assert k.shape == v.shape == (N_tok, n_kv, hd) and k_cache.shape[2:] == (n_kv, hd)
+    assert q.dtype == k.dtype == v.dtype == k_cache.dtype
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "heads must be contiguous"
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (N_tok,)
+    assert positions.dtype == torch.int64 and positions.shape == (N_tok,)
+    assert slot_mapping.is_contiguous() and positions.is_contiguous()
+    assert cos.shape == sin.shape and cos.shape[1] == hd // 2 and cos.dtype == torch.float32
+    assert cos.is_contiguous() and sin.is_contiguous()
+    if N_tok == 0:
+        return
+    _rope_store_kvcache_kernel[(N_tok,)](
+        q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, n_heads, n_kv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        N_HEADS_PAD=triton.next_power_of_2(n_heads), N_KV_PAD=triton.next_power_of_2(n_kv),
+        HEAD_DIM=hd,
+    )

@@ -19,6 +19,7 @@ import time
 import httpx
 import pytest
 import torch
+import torch.nn.functional as F
 import uvicorn
 
 try:
@@ -623,6 +624,81 @@ def test_prefill_matches_decode(device, dtype):
     cu_seqlens_q = torch.arange(len(context_lens) + 1, dtype=torch.int32, device=device)
     out = pa.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, 1, 64 ** -0.5)
     compare(out, out_decode, dtype, "prefill vs decode")
+
+
+# ----------------------------------------------------------------------------
+# GEMV with its prologues and epilogue, and RoPE fused into the KV store
+
+GEMV_CASES = pytest.mark.parametrize("norm,silu_mul,residual", [
+    (False, False, False), (True, False, False), (False, False, True), (False, True, True),
+    (True, False, True)])
+
+
+@DEVICE_DTYPES
+@GEMV_CASES
+@pytest.mark.parametrize("M,N,K,split_k", [(1, 80, 96, 1), (3, 48, 64, 1), (1, 40, 160, 4), (2, 48, 96, 3)])
+def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K, split_k, monkeypatch):
+    """Against gemv_ref (F.linear) in fp32 on the same inputs. N and K that are
+    not multiples of the tiles exercise the masks; split_k 4 over K = 160 in
+    32-column steps leaves the last split empty. Run twice: the split-K
+    counts must be back at 0 after each launch."""
+    monkeypatch.setattr(pa, "_gemv_config", lambda N, K: (16, 32, split_k))
+    gen = torch.Generator().manual_seed(M * N + K)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    x, w = rand(M, 2 * K if silu_mul else K), rand(N, K) / K ** 0.5
+    norm_w = rand(K) if norm else None
+    res = rand(M, N) if residual else None
+    up = lambda t: None if t is None else t.float()  # noqa: E731
+    ref = pa.gemv_ref(x.float(), w.float(), up(norm_w), 1e-5, silu_mul, up(res))
+    for _ in range(2):
+        out = nan_like(torch.empty(M, N, dtype=dtype, device=device))
+        assert pa.gemv(x, w, norm_w, 1e-5, silu_mul, res, out=out) is out
+        compare(out, ref, dtype, f"gemv M={M} N={N} K={K} split {split_k} norm={norm} "
+                                 f"silu={silu_mul} res={residual}")
+        assert (pa._split_k_counts(out.device) == 0).all(), "split-K counts not reset"
+
+
+@pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("N,K", [(3072, 2048), (2048, 8192), (128256, 2048)])
+def test_gemv_cuda_llama_shapes(M, N, K):
+    """Llama-3.2-1B's qkv, down and LM head shapes in bf16 against F.linear."""
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to("cuda", torch.bfloat16)
+    compare(pa.gemv(x, w), F.linear(x.float(), w.float()), torch.bfloat16, f"gemv {M}x{N}x{K}")
+
+
+@DEVICE_DTYPES
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 1, 32), (9, 3, 64)])
+def test_rope_store_kvcache(device, dtype, n_heads, n_kv, hd):
+    gen = torch.Generator().manual_seed(3)
+    N_tok, num_blocks, block_size = 7, 4, 8
+    q, k, v = fused_qkv_views(N_tok, n_heads, n_kv, hd, dtype, device, gen)
+    positions = torch.randint(0, 100, (N_tok,), generator=gen).to(device)
+    freqs = torch.outer(torch.arange(100.0), torch.rand(hd // 2, generator=gen))  # (100, hd/2)
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:N_tok]
+    slot_mapping[2] = -1  # a padding token of a CUDA-graph batch
+    slot_mapping = slot_mapping.to(device)
+    shape = (num_blocks, block_size, n_kv, hd)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    k_ref, v_ref, q_ref = k_cache.clone(), v_cache.clone(), q.clone()
+    # the reference rotation is the model's own (checked against transformers)
+    q_model, k_model = ns.apply_rope(positions.cpu(), q.cpu(), k.cpu(), cos.cpu(), sin.cpu())
+    pa.rope_store_kvcache_ref(q_ref, k, v, k_ref, v_ref, slot_mapping, positions, cos, sin)
+    assert torch.equal(q_ref.cpu(), q_model)
+    k_before = k_cache.clone()
+    pa.rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin)
+    compare(q, q_ref, dtype, "rotated q")
+    compare(k_cache, k_ref, dtype, "rotated k in the pool")
+    assert torch.equal(v_cache, v_ref)
+    valid = slot_mapping >= 0
+    assert torch.equal(k_ref.view(-1, n_kv, hd)[slot_mapping[valid]].cpu(), k_model[valid.cpu()])
+    changed = (k_cache != k_before).flatten(2).any(-1).flatten()  # (num_blocks * block_size,)
+    assert changed.nonzero().flatten().sort().values.tolist() == \
+        slot_mapping[valid].sort().values.tolist(), "exactly the valid slots are written"
 
 
 # ----------------------------------------------------------------------------
