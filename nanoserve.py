@@ -1519,7 +1519,12 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
                 for request_id in message.request_ids:
                     core.abort_request(request_id)
             for request in message if isinstance(message, list) else []:
-                outputs += _add_or_fail(core, request)
+                try:
+                    core.add_request(request)
+                except Exception as e:        # fails only this request
+                    traceback.print_exc()
+                    outputs.append(EngineCoreOutput(request.request_id, None, finish_reason="error",
+                                                    error=f"add_request failed: {e!r}"))
         if core.has_unfinished():
             try:
                 outputs += core.step()
@@ -1538,16 +1543,6 @@ def _drain(inbox, inbox_queue: queue.Queue):
             inbox_queue.put(inbox.recv())
     except (EOFError, OSError):               # the server is gone: tell the loop
         inbox_queue.put(None)
-
-
-def _add_or_fail(core: EngineCore, request: EngineCoreRequest) -> list:
-    try:
-        core.add_request(request)
-        return []
-    except Exception as e:                    # fails only this request
-        traceback.print_exc()
-        return [EngineCoreOutput(request.request_id, None, finish_reason="error",
-                                 error=f"add_request failed: {e!r}")]
 
 
 # ---------------------------------------------------------------------------
@@ -1603,7 +1598,7 @@ class EngineCoreClient:
         self.process.start()
         inbox_end.close(), outbox_end.close()  # ours closed: a dead process reads as EOF
         try:
-            ready = self.outbox.recv()
+            ready = self.outbox.recv()        # stats once loaded, or why it failed
         except EOFError:
             ready = f"the engine core exited with code {self.process.join(5) or self.process.exitcode}"
         if isinstance(ready, str):
@@ -1729,9 +1724,8 @@ def parse_fields(body: dict, spec: dict) -> dict:
     for name, value in body.items():
         if name not in spec:
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
-        kind = spec[name]
+        kind, fields[name] = spec[name], value
         if value is None or kind is object:
-            fields[name] = value
             continue
         # an integer is a fine number; true is an int in Python but not in JSON
         accepted = (int, float) if kind is float else kind
@@ -1740,14 +1734,10 @@ def parse_fields(body: dict, spec: dict) -> dict:
                                 f"got {json.dumps(value)[:40]}", param=name)
         if kind is int and not -2**63 <= value < 2**64:
             raise APIError(400, f"'{name}' is out of the 64-bit range", param=name)
-        if kind is float:
-            try:
-                value = float(value)          # 10**400 overflows; 1e400 parses to inf
-            except OverflowError:
-                value = math.inf
-            if not math.isfinite(value):
+        if kind is float:             # 1e400 parses to inf; float(10**400) would overflow
+            fields[name] = float(value) if abs(value) <= sys.float_info.max else math.inf
+            if not math.isfinite(fields[name]):
                 raise APIError(400, f"'{name}' must be a finite number", param=name)
-        fields[name] = value
     _refuse_unsupported(fields)
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -1853,10 +1843,8 @@ class ChatTemplate:
         source = tokenizer_config.get("chat_template")
         self.template = env.from_string(source) if source else None
         # older configs write a special token as {"content": "<s>", ...}
-        self.special_tokens = {}
-        for name in ("bos_token", "eos_token"):
-            token = tokenizer_config.get(name) or ""
-            self.special_tokens[name] = token["content"] if isinstance(token, dict) else token
+        tokens = {name: tokenizer_config.get(name) or "" for name in ("bos_token", "eos_token")}
+        self.special_tokens = {k: t["content"] if isinstance(t, dict) else t for k, t in tokens.items()}
 
     def render(self, messages: list) -> str:
         if self.template is None:
@@ -1884,6 +1872,10 @@ class _Shape:
     def __init__(self, server: "OpenAIServer", num_top_logprobs: Optional[int]):
         self.server, self.num_top_logprobs = server, num_top_logprobs
         self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
+
+    def opening(self, i: int) -> list:
+        """The chunks a stream opens choice i with."""
+        return []
 
     def envelope(self, object: str, choices: list, usage: Optional[dict] = None) -> dict:
         body = {"id": self.id, "object": object, "created": self.created,
@@ -1913,9 +1905,6 @@ class _CompletionShape(_Shape):
         super().__init__(server, num_top_logprobs)
         self.echoes, self.n = echoes, n       # per prompt: (text, token ids), or None
         self.offsets = {}                     # choice -> text_offset of its next token
-
-    def opening(self, i: int) -> list:
-        return []
 
     def has_news(self, d: Delta) -> bool:
         return super().has_news(d) or (self.echoes[d.index // self.n] is not None
@@ -2054,13 +2043,12 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "nanoserve", "max_model_len": self.cfg.max_model_len}
-        wanted = request.path_params.get("model")
-        if wanted is None:
-            return JSONResponse({"object": "list", "data": [card]})
+        wanted = request.path_params.get("model", self.model_name)
         if wanted != self.model_name:
             raise APIError(404, f"the model {wanted!r} does not exist", param="model",
                            code="model_not_found")
-        return JSONResponse(card)
+        return JSONResponse(card if "model" in request.path_params else
+                            {"object": "list", "data": [card]})
 
     async def metrics(self, request: Request) -> Response:
         s = self.client.stats
@@ -2106,14 +2094,15 @@ class OpenAIServer:
     async def _read(self, request: Request) -> dict:
         """The JSON body, refused before it is read whole if it is too large."""
         limit, chunks, size = self.cfg.max_request_bytes, [], 0
+        too_large = APIError(413, f"the body is larger than {limit} bytes")
         declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large                   # the cheap check: nothing read yet
         try:
-            if declared.isdigit() and int(declared) > limit:
-                raise APIError(413, f"the body is larger than {limit} bytes")
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise APIError(413, f"the body is larger than {limit} bytes")
+                    raise too_large
                 chunks.append(chunk)
         except ClientDisconnect:              # the client left mid-body: nobody to answer
             raise APIError(499, "the client closed the connection")
