@@ -13,6 +13,7 @@ and every KV block back in the pool afterwards.
 import asyncio
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -1307,3 +1308,31 @@ def test_bad_inputs_are_4xx_and_the_server_stays_up(server, capfd):
     assert max(health) < 0.1
     wait_idle(server)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_engine_core_exits_with_the_server():
+    """`serve` killed outright (no shutdown code runs): its engine core
+    process sees the pipe close and exits, so nothing keeps the device."""
+    server_config()                                  # skips without the default model
+    import subprocess
+    proc = subprocess.Popen([sys.executable, "nanoserve.py", "serve", "--port", "0"],
+                            cwd=os.path.dirname(os.path.abspath(__file__)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "serving" in proc.stdout.readline() + proc.stdout.readline()
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(pid) for pid in f.read().split()]
+        assert children, "no engine core process"
+    finally:
+        proc.kill()
+        proc.wait()
+    def alive(pid):                                  # a zombie has exited too
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + 60
+    while any(alive(pid) for pid in children):
+        assert time.time() < deadline, "the engine core outlived its server"
+        time.sleep(0.2)
