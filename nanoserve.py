@@ -525,33 +525,42 @@ class SamplingParams:
     seed: Optional[int] = _flag("same seed, same text, whatever else is in the batch",
                                 default=None)
     logprobs: Optional[int] = None    # also return this many top log-probs per token
-    prompt_logprobs: Optional[int] = None
-    logit_bias: Optional[dict] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-
-    @property
-    def needs_output_history(self) -> bool:
-        return False
+    prompt_logprobs: Optional[int] = None  # log-prob of each prompt token, + this many top
+    logit_bias: dict = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    presence_penalty: float = 0.0     # OpenAI's, in [-2, 2]: minus this if generated before,
+    frequency_penalty: float = 0.0    # and minus this times the count so far
+    repetition_penalty: float = 1.0   # transformers': a seen token's logit / this (x this if < 0)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop, self.stop_token_ids = list(self.stop or []), list(self.stop_token_ids or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
 
-    def validate(self):
+    @property
+    def needs_output_history(self) -> bool:       # a penalty reads the tokens so far
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
+
+    def validate(self, vocab_size: float = math.inf):       # the first word names the field
         least = 0 if self.prompt_logprobs is not None else 1   # 0: score the prompt only
         if not isinstance(self.max_tokens, int) or self.max_tokens < least:
             raise ValueError(f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name, lo, hi in [("logprobs", 0, 20), ("prompt_logprobs", 0, 20),
+                             ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)]:
+            if getattr(self, name) is not None and not lo <= getattr(self, name) <= hi:
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        try:        # JSON object keys are strings: {"1234": -100}
+            self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            self.logit_bias = {-1: 0.0}                        # refused just below
+        if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
 
 
 @dataclass
@@ -565,6 +574,15 @@ class SamplingBatch:
     all_greedy: bool
     needs_top_k_top_p: bool
     max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
+    logit_edits: Optional[tuple] = None  # see apply_logit_edits; None: no row has any
+
+
+def apply_logit_edits(logits, edits):                        # (B, V) fp32
+    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token)."""
+    (rows, ids), (bias, rep, sub) = edits      # (2, N) int64, (3, N) fp32
+    x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
+    x = torch.where(x < 0, x * rep, x / rep) - sub   # transformers' repetition rule, then OpenAI's
+    return logits.index_put((rows, ids), x)
 
 
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
@@ -599,8 +617,10 @@ def argmax_rows(logits):                                      # (B, V)
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     """Return the sampled token ids (B,) and, if asked, their log-probs."""
-    tokens = argmax_rows(logits)          # exact in the model dtype: no fp32 copy for greedy
-    logits = logits if batch.all_greedy and batch.max_logprobs is None else logits.float()
+    plain = batch.all_greedy and batch.max_logprobs is None and batch.logit_edits is None
+    raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
+    logits = raw if batch.logit_edits is None else apply_logit_edits(raw, batch.logit_edits)
+    tokens = argmax_rows(logits)
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)
         scaled = logits / torch.where(t > 0, t, 1.0)
@@ -617,9 +637,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
     if batch.max_logprobs is None:
         return tokens, None
-    # Log-probs of the model's own distribution (before temperature/top-p),
-    # the way the OpenAI API reports them.
-    logp = logits.log_softmax(dim=-1)
+    # Log-probs of the model's own distribution (before the edits, temperature
+    # and top-p), the way the OpenAI API reports them.
+    logp = raw.log_softmax(dim=-1)
     top = logp.topk(batch.max_logprobs, dim=-1)
     return tokens, (logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
 
@@ -719,7 +739,7 @@ class Sequence:
         self.num_pending_tokens = 0
         self.status, self.finish_reason = Status.WAITING, None
         self.generator = None            # per-request RNG when params.seed is set
-        self.prompt_logprobs: list = []
+        self.prompt_logprobs: list = []  # (logprob, {token: logprob}) of prompt tokens 1, 2, ...
 
     @property
     def num_tokens(self) -> int:
@@ -832,8 +852,8 @@ class Scheduler:
 
     def _reuse_cached_prefix(self, seq: Sequence):
         """Point seq at the cached blocks of its longest cached prefix."""
-        if not self.cfg.enable_prefix_caching:
-            return
+        if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return                     # (prompt log-probs need every prompt row computed)
         self._hash_full_blocks(seq)
         # Leave the last token out: it must be computed to produce logits, and
         # its K/V must never be written into a block that others share.
@@ -1000,7 +1020,27 @@ class ModelRunner:
             all_greedy=all_greedy,
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
-                             default=None))
+                             default=None),
+            logit_edits=self.logit_edits(seqs))
+
+    def logit_edits(self, seqs: list) -> Optional[tuple]:
+        """apply_logit_edits' entries, the tokens counted on the host: EngineCore
+        reads a penalized row's last token back before it launches the next."""
+        entries = []                                           # (5, n) per edited row
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if not p.logit_bias and not p.needs_output_history:
+                continue                   # the common case: two checks per row
+            hist = seq.token_ids if p.repetition_penalty != 1 else seq.token_ids[seq.num_prompt_tokens:]
+            ids, inv = np.unique([*hist, *p.logit_bias], return_inverse=True)  # distinct, sorted
+            n = np.bincount(inv[len(hist) - seq.num_output_tokens:len(hist)], minlength=len(ids))
+            bias = np.bincount(inv[len(hist):], list(p.logit_bias.values()), len(ids))
+            entries.append(np.stack([np.full(len(ids), row), ids, bias,
+                                     np.where(np.isin(ids, hist), p.repetition_penalty, 1.0),
+                                     n * p.frequency_penalty + (n > 0) * p.presence_penalty]))
+        if entries:
+            e = np.concatenate(entries, axis=1)                # (5, N): row, token, bias, rep, sub
+            return self.to_device(e[:2], torch.int64), self.to_device(e[2:], torch.float32)
 
     # -- forward and sample --
 
@@ -1023,6 +1063,7 @@ class ModelRunner:
             hidden = self._replay_graph(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)     # (N_tok, D)
+        self.compute_prompt_logprobs(batch, hidden)
         seqs = [batch.seqs[i] for i in sample_seqs]
         if not seqs:                            # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None, [], None)
@@ -1041,6 +1082,24 @@ class ModelRunner:
         copied = torch.cuda.Event()
         copied.record()
         return LaunchedStep(batch, seqs, tokens, host, copied)
+
+    def compute_prompt_logprobs(self, batch: ScheduledBatch, hidden):  # (N_tok, D)
+        """Append to each sequence that asks the entries of the prompt tokens it predicts."""
+        if all(s.params.prompt_logprobs is None for s in batch.seqs):
+            return                      # the common case: no LM head, no host sync
+        C = self.cfg.max_num_seqs       # rows per LM-head call: the sampler's memory budget
+        for seq, rows in zip(batch.seqs, hidden.split(batch.num_new_tokens)):   # (n, D) each
+            k, start = seq.params.prompt_logprobs, seq.num_computed_tokens
+            a = max(start, len(seq.prompt_logprobs))       # a preempted sequence recomputes
+            b = min(start + len(rows), seq.num_prompt_tokens - 1)  # row i predicts token i + 1
+            if k is None or a >= b:
+                continue
+            targets = self.to_device(seq.token_ids[a + 1:b + 1], torch.int64)  # (T,)
+            for h, t in zip(rows[a - start:b - start].split(C), targets.split(C)):
+                logp = self.model.compute_logits(h).float().log_softmax(dim=-1)  # (C, V)
+                top, chosen = logp.topk(k, dim=-1), logp.gather(1, t[:, None])[:, 0]
+                seq.prompt_logprobs += [(lp, dict(zip(i, v))) for lp, i, v in zip(
+                    chosen.tolist(), top.indices.tolist(), top.values.tolist())]
 
     # -- CUDA graphs --
 
@@ -1342,7 +1401,7 @@ class FrontEnd:
 
     def validate(self, prompt_ids: list, params: SamplingParams):
         """Every check the engine core relies on, made before it sees the request."""
-        params.validate()
+        params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
@@ -1768,14 +1827,10 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-    try:                              # JSON object keys are strings: "1234": -100
-        logit_bias = {int(k): float(v) for k, v in f.get("logit_bias", {}).items()}
-    except (TypeError, ValueError, OverflowError):
-        raise APIError(400, "'logit_bias' must map token ids to numbers", param="logit_bias")
     shared = dict(temperature=f.get("temperature", 1.0), top_p=f.get("top_p", 1.0),
                   top_k=f.get("top_k", -1), max_tokens=max_tokens, stop=stop,
                   ignore_eos=f.get("ignore_eos", False), logprobs=logprobs,
-                  prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                  prompt_logprobs=prompt_logprobs, logit_bias=f.get("logit_bias", {}),
                   presence_penalty=f.get("presence_penalty", 0.0),
                   frequency_penalty=f.get("frequency_penalty", 0.0),
                   repetition_penalty=f.get("repetition_penalty", 1.0))
@@ -2130,8 +2185,10 @@ class OpenAIServer:
 
     def _validate(self, f: dict, prompt_ids: list, params: list):
         try:
+            for p in params:                  # the choices differ only by seed
+                p.validate(self.cfg.vocab_size)
             for ids in prompt_ids:
-                self.front.validate(ids, params[0])   # the choices differ only by seed
+                self.front.validate(ids, params[0])
         except ValueError as e:
             name = str(e).split()[0]  # validate's messages start with their field, if any
             raise APIError(400, str(e), param=name if name in f else None)

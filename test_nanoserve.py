@@ -401,6 +401,184 @@ def test_greedy_rows_ignore_noise():
     assert tokens[[0, 2, 4]].tolist() == greedy[[0, 2, 4]].tolist()
 
 
+# -- logit_bias and the penalties --
+
+def history_seqs(V, specs, gen):
+    """Sequences with a random prompt and output from a small id range (so
+    tokens repeat), one per SamplingParams in specs."""
+    seqs = []
+    for i, params in enumerate(specs):
+        ids = torch.randint(0, 60, (30,), generator=gen).tolist()
+        seq = ns.Sequence(f"r{i}", ids[:18], params)
+        seq.token_ids += ids[18:]                      # 12 generated tokens
+        params.validate(V)
+        seqs.append(seq)
+    return seqs
+
+
+def reference_edits(logits, seqs):
+    """Each formula as written: OpenAI's logit_bias, transformers' repetition
+    penalty over prompt and output, OpenAI's frequency and presence penalties
+    over the output."""
+    ref, V = logits.clone(), logits.shape[1]
+    for row, seq in enumerate(seqs):
+        p, x = seq.params, ref[row]
+        for t, b in p.logit_bias.items():
+            x[t] += b
+        seen = torch.zeros(V, dtype=torch.bool)
+        seen[seq.token_ids] = True
+        x[:] = torch.where(seen, torch.where(x < 0, x * p.repetition_penalty,
+                                             x / p.repetition_penalty), x)
+        counts = torch.bincount(torch.tensor(seq.token_ids[seq.num_prompt_tokens:]),
+                                minlength=V).float()
+        x -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+    return ref
+
+
+def test_logit_bias_and_penalties_match_their_formulas(smol_llm):
+    runner, gen = smol_llm.engine.runner, torch.Generator().manual_seed(3)
+    V = runner.cfg.vocab_size
+    logits = torch.randn(7, V, generator=gen) * 3
+    logits[:, :60] += 2.0        # the seen ids hold the largest logits, positive and negative
+    G = lambda **kw: ns.SamplingParams(temperature=0, **kw)           # noqa: E731
+    top = logits.argmax(-1).tolist()
+    specs = {"plain": G(), "logit_bias": G(logit_bias={str(top[1]): -100, "7": 5.5}),
+             "presence_penalty": G(presence_penalty=1.5),
+             "frequency_penalty": G(frequency_penalty=-0.7),
+             "repetition_penalty": G(repetition_penalty=1.3),
+             "all": G(logit_bias={"3": 100}, presence_penalty=-2, frequency_penalty=2,
+                      repetition_penalty=0.6),
+             "plain, sampled": ns.SamplingParams(temperature=0.8, seed=5)}
+    seqs = history_seqs(V, list(specs.values()), gen)
+    batch = runner.sampling_batch(seqs)
+    ours, ref = ns.apply_logit_edits(logits, batch.logit_edits), reference_edits(logits, seqs)
+    for row, name in enumerate(specs):
+        diff = (ours[row] - ref[row]).abs().max().item()
+        changed = (ref[row] != logits[row]).sum().item()
+        print(f"{name}: {changed} logits changed, worst abs diff {diff:.1e} (tolerance 1e-5)")
+        assert diff <= 1e-5 and (changed > 0) == ("plain" not in name)
+    tokens, _ = ns.sample(logits, batch)
+    greedy = [r for r, name in enumerate(specs) if name != "plain, sampled"]
+    assert tokens[greedy].tolist() == ref[greedy].argmax(-1).tolist()
+    assert tokens[1] != top[1]                        # -100 on the greedy token moves it
+
+
+def test_edited_rows_leave_the_others_alone(smol_llm):
+    """Rows without logit_bias or penalties give bitwise the same tokens and
+    log-probs whether or not edited rows share their batch, and a batch with
+    no edited row builds no edit tensors."""
+    runner, gen = smol_llm.engine.runner, torch.Generator().manual_seed(4)
+    V = runner.cfg.vocab_size
+    plain = [ns.SamplingParams(temperature=0, logprobs=2),
+             ns.SamplingParams(temperature=0.9, top_p=0.8, seed=11, logprobs=2),
+             ns.SamplingParams(temperature=1.0, top_k=20, seed=12, logprobs=2)]
+    edited = [ns.SamplingParams(temperature=0, logit_bias={"1": 50}, logprobs=2),
+              ns.SamplingParams(temperature=0.9, repetition_penalty=1.2, presence_penalty=1,
+                                seed=13, logprobs=2)]
+    seqs = history_seqs(V, plain + edited, gen)
+    logits = torch.randn(5, V, generator=gen)
+    order = [3, 0, 4, 1, 2]                           # edited rows first and between
+    outs = []
+    for rows in ([0, 1, 2], order):
+        for s in seqs:
+            s.generator = torch.Generator().manual_seed(s.params.seed or 0)
+        batch = runner.sampling_batch([seqs[r] for r in rows])
+        assert (batch.logit_edits is None) == (rows == [0, 1, 2])
+        tokens, (lp, top_lp, top_ids) = ns.sample(logits[rows], batch)
+        keep = [rows.index(r) for r in (0, 1, 2)]
+        outs.append([t[keep] for t in (tokens, lp, top_lp, top_ids)])
+    for alone, mixed in zip(*outs):
+        assert torch.equal(alone, mixed)
+
+
+def test_logit_bias_and_repetition_penalty_in_the_engine(smol, smol_llm):
+    """Greedy with -100 on the greedy token picks another one; greedy with a
+    repetition penalty matches transformers' generate with the same penalty."""
+    _, hf = smol
+    prompt = SMOL_PROMPTS[3]
+    base = smol_llm.generate([prompt], ns.SamplingParams(temperature=0, max_tokens=1))[0]
+    biased = ns.SamplingParams(temperature=0, max_tokens=1,
+                               logit_bias={str(base.token_ids[0]): -100})
+    outs = smol_llm.generate([prompt, SMOL_PROMPTS[0]], [biased, GREEDY])
+    assert outs[0].token_ids[0] != base.token_ids[0]
+    assert outs[1].token_ids == smol_llm.generate([SMOL_PROMPTS[0]], GREEDY)[0].token_ids
+    # (penalized rows need each step's token on the host before the next
+    # launch: the engine core reads it back first, see LaunchedStep.needs_host_tokens)
+    ids = smol_llm.front.tokenizer.encode(prompt).ids
+    params = ns.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                               repetition_penalty=1.3)
+    out = smol_llm.generate([ids], params)[0].token_ids
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                      repetition_penalty=1.3, eos_token_id=None, pad_token_id=0,
+                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    print("repetition_penalty 1.3:", smol_llm.front.decode(out))
+    assert out == ref[0, len(ids):].tolist()
+    assert out != smol_llm.generate([ids], GREEDY)[0].token_ids
+    check_pool_is_free(smol_llm.engine)
+
+
+def test_sampling_params_errors_name_the_field():
+    cases = [dict(presence_penalty=2.5), dict(frequency_penalty=-3),
+             dict(repetition_penalty=0), dict(repetition_penalty=float("nan")),
+             dict(prompt_logprobs=21), dict(logit_bias={"a": 1}), dict(logit_bias=[1, 2]),
+             dict(logit_bias={"5": 101}), dict(logit_bias={"1000": 1}),
+             dict(logit_bias={"-1": 1}), dict(logit_bias={"5": 10 ** 400})]
+    for kw in cases:
+        with pytest.raises(ValueError, match="^" + next(iter(kw))):
+            ns.SamplingParams(**kw).validate(vocab_size=1000)
+    p = ns.SamplingParams(logit_bias={"5": -100, 6: 1}, presence_penalty=-2,
+                          repetition_penalty=1.5)
+    p.validate(vocab_size=1000)
+    assert p.logit_bias == {5: -100.0, 6: 1.0} and p.needs_output_history
+    assert not ns.SamplingParams(logit_bias={"5": 1}).needs_output_history
+
+
+# ---------------------------------------------------------------------------
+# Prompt log-probs (what log-likelihood evaluations read)
+
+def run_to_end(llm, prompts, params):
+    """The finished requests, which hold the prompt log-probs."""
+    return llm.generate(prompts, params)
+
+
+def test_prompt_logprobs_match_transformers(smol):
+    """Every prompt token's log-prob and top-3 equal transformers' log_softmax
+    (fp32, 1e-4), whether the prompt is prefilled whole, in chunks of 16
+    tokens mixed with another request, after its prefix was cached, or
+    recomputed after a preemption."""
+    path, hf = smol
+    tok = ns.load_tokenizer(path)[0]
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog. " * 5).ids   # 50 tokens
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)  # (T - 1, V)
+    want, top_ref = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], ref.topk(3)
+    params = ns.SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3, ignore_eos=True)
+    whole = ns.LLM(path, device="cpu", num_blocks=64)
+    chunked = ns.LLM(path, device="cpu", num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    small = ns.LLM(path, device="cpu", num_blocks=7, block_size=8, max_num_batched_tokens=16,
+                   max_num_seqs=4)     # the prompt needs all 7 blocks: it is preempted
+    run_to_end(chunked, [prompt[:40]], GREEDY)
+    assert chunked.engine.allocator.lookup(ns.prefix_hash(None, prompt[:16])) is not None
+    cases = {"whole": run_to_end(whole, [prompt], params)[0],
+             "chunked, prefix cached": run_to_end(chunked, [prompt, SMOL_PROMPTS[0]], params)[0],
+             "preempted": run_to_end(small, [SMOL_PROMPTS[0], prompt], [GREEDY, params])[1]}
+    assert small.stats()["num_preemptions"] > 0
+    assert chunked.stats()["num_cached_tokens"] == 0  # not served from the cache
+    for name, seq in cases.items():
+        assert len(seq.prompt_logprobs) == len(prompt) - 1
+        got = torch.tensor([lp for lp, _ in seq.prompt_logprobs])
+        top_ids = torch.tensor([list(top) for _, top in seq.prompt_logprobs])
+        top_lp = torch.tensor([list(top.values()) for _, top in seq.prompt_logprobs])
+        diff = max((got - want).abs().max().item(), (top_lp - top_ref.values).abs().max().item())
+        vs_whole = max(abs(a[0] - b[0]) for a, b in zip(seq.prompt_logprobs,
+                                                        cases["whole"].prompt_logprobs))
+        print(f"prompt log-probs, {name}: worst abs diff {diff:.1e} (tolerance 1e-4), "
+              f"{vs_whole:.1e} from whole prefill (tolerance 5e-5: fp32 rounding)")
+        assert diff <= 1e-4 and vs_whole <= 5e-5 and torch.equal(top_ids, top_ref.indices)
+    for llm in (whole, chunked, small):
+        check_pool_is_free(llm.engine)
+
+
 # ---------------------------------------------------------------------------
 # Block allocator
 
