@@ -564,3 +564,94 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         num_warps=4, num_stages=2,
     )
     return out
+
+
+# ----------------------------------------------------------------------------
+# The CPU path: torch's fused attention over K/V gathered from the pool
+# Triton needs a GPU, so on a CPU the engine calls SDPA, whose CPU kernel is a
+# flash attention (tiled online softmax, no score matrix in memory) that skips
+# the tiles above the causal diagonal. It takes only 4-D (batch, heads,
+# tokens, hd) inputs: the 3-D calls of the references above fall back to the
+# "math" SDPA, which materializes every score (8x slower for 2k tokens). Per
+# layer, all the step's decode rows share one call and each prefill chunk gets
+# one; K/V are gathered token by token, which costs what one pass over them
+# costs (transformers' growing cache copies as much every step).
+
+def _token_slots(block_tables, context_lens, num_tokens, block_size):
+    """Pool slot of positions 0 .. num_tokens - 1 of each sequence (B, num_tokens).
+
+    Positions past a sequence's end repeat its last slot: a padded gather then
+    holds real keys, never stale or NaN memory that would poison the masked
+    softmax (0 * NaN is NaN)."""
+    pos = torch.arange(num_tokens).minimum(context_lens[:, None] - 1)  # (B, num_tokens)
+    return block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size
+
+
+def _gather_tokens(cache, slots):
+    """K or V of the given slots: (B, L) slots -> (B, L, n_kv, hd)."""
+    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.flatten())
+    return rows.view(*slots.shape, *cache.shape[2:])
+
+
+def store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping):
+    """store_kvcache_ref without the padding mask: a CPU step has no padding
+    tokens (no CUDA graphs), and index_copy_ rejects a -1 slot."""
+    _check_cache(k_cache, v_cache)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
+    """One SDPA call for the whole batch, over K/V padded to the longest context.
+
+    GQA packing, as in the decode kernel: the G query heads of a kv head become
+    G query rows of one (B, n_kv) attention, so K/V are neither repeated nor
+    broadcast, and no causal mask is needed (the one query sees every key).
+    A key mask hides the padding of contexts shorter than the longest."""
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
+    B, n_heads, hd = q.shape
+    n_kv = k_cache.shape[2]
+    lens = context_lens.tolist()  # host values: free on a CPU
+    assert min(lens, default=1) > 0, "context_len 0 (CUDA-graph padding) has no place on this path"
+    L = max(lens, default=0)
+    slots = _token_slots(block_tables, context_lens, L, k_cache.shape[1])  # (B, L)
+    k = _gather_tokens(k_cache, slots).transpose(1, 2)  # (B, n_kv, L, hd)
+    v = _gather_tokens(v_cache, slots).transpose(1, 2)
+    mask = None
+    if min(lens, default=L) < L:
+        mask = (torch.arange(L) < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
+    o = F.scaled_dot_product_attention(q.reshape(B, n_kv, n_heads // n_kv, hd), k, v,
+                                       attn_mask=mask, scale=scale)  # (B, n_kv, G, hd)
+    o = o.view(B, n_heads, hd)
+    return o if out is None else out.copy_(o)
+
+
+def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                 max_seqlen_q, scale, out=None):
+    """The decode rows of a mixed step in one batched call, then one call per
+    prefill chunk: a plain causal mask (is_causal, never materialized) when
+    the chunk is the whole sequence, an explicit (T, L) one after a cached prefix."""
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()  # host values: free on a CPU
+    q_lens = [end - start for start, end in zip(cu, cu[1:])]
+    # -- decode rows --
+    decode_seqs = [b for b, T in enumerate(q_lens) if T == 1]
+    if decode_seqs:
+        rows = cu_seqlens_q[decode_seqs].long()
+        out[rows] = paged_attention_decode_sdpa(q[rows], k_cache, v_cache, block_tables[decode_seqs],
+                                                context_lens[decode_seqs], scale)
+    # -- prefill chunks --
+    for b in (b for b, T in enumerate(q_lens) if T > 1):
+        T, L = q_lens[b], lens[b]
+        slots = _token_slots(block_tables[b:b + 1], context_lens[b:b + 1], L, k_cache.shape[1])
+        k = _gather_tokens(k_cache, slots).transpose(1, 2)  # (1, n_kv, L, hd)
+        v = _gather_tokens(v_cache, slots).transpose(1, 2)
+        mask = None
+        if T < L:  # query j sits at position L - T + j: the diagonal is offset
+            mask = torch.arange(L) <= torch.arange(L - T, L)[:, None]  # (T, L)
+        o = F.scaled_dot_product_attention(q[None, cu[b]:cu[b + 1]].transpose(1, 2), k, v,
+                                           attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=True)  # (1, n_heads, T, hd)
+        out[cu[b]:cu[b + 1]] = o[0].transpose(0, 1)
+    return out

@@ -263,22 +263,23 @@ def test_token_id_prompts_and_order(smol_llm):
     assert outs[1].token_ids == smol_llm.generate([SMOL_PROMPTS[0]], GREEDY)[0].token_ids
 
 
-def test_engine_triton_attention_equals_torch(tiny):
-    """The whole engine with the Triton kernels (interpreted on CPU) against the
-    torch path and transformers, fp32, with chunked prefills mixed into decodes
-    (and, on CUDA, decode steps replayed from CUDA graphs)."""
+def test_engine_attention_implementations_agree(tiny):
+    """The whole engine with the Triton kernels (interpreted on CPU) and with the
+    CPU path (sdpa) against the torch references and transformers, fp32, with
+    chunked prefills mixed into decodes (and, on CUDA, decode steps replayed
+    from CUDA graphs)."""
     path, hf = tiny
     device = "cuda" if CUDA else "cpu"
     prompts = [list(range(5, 16)), [20, 21, 22], list(range(30, 90))]
     n = 40 if CUDA else 6
     params = ns.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = {}
-    for attention in ("torch", "triton"):
+    for attention in ("torch", "sdpa", "triton"):
         llm = ns.LLM(path, device=device, dtype="float32", attention=attention, num_blocks=64,
                      block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
         outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
         check_pool_is_free(llm.engine)
-    assert outs["triton"] == outs["torch"]
+    assert outs["triton"] == outs["torch"] and outs["sdpa"] == outs["torch"]
     assert outs["torch"] == [hf_greedy(hf, p, n) for p in prompts]
 
 
@@ -547,14 +548,15 @@ def test_store_kvcache(device, dtype, n_kv, hd, block_size):
 # ----------------------------------------------------------------------------
 # decode
 
-def run_decode(context_lens, n_heads, n_kv, hd, block_size, device, dtype, extra_cols=1, seed=0):
+def run_decode(context_lens, n_heads, n_kv, hd, block_size, device, dtype, extra_cols=1, seed=0,
+               decode=pa.paged_attention_decode):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables, lens = make_paged_cache(
         context_lens, block_size, n_kv, hd, dtype, device, gen, extra_cols)
     q, _, _ = fused_qkv_views(len(context_lens), n_heads, n_kv, hd, dtype, device, gen)
     scale = hd ** -0.5
     out = nan_like(q)
-    ret = pa.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale, out=out)
+    ret = decode(q, k_cache, v_cache, block_tables, lens, scale, out=out)
     assert ret is out
     ref = pa.paged_attention_decode_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
                                         lens, scale)
@@ -585,11 +587,8 @@ def test_decode_many_splits(device, dtype):
 # ----------------------------------------------------------------------------
 # prefill
 
-@DEVICE_DTYPES
-@SHAPES
-def test_prefill_mixed(device, dtype, n_heads, n_kv, hd, block_size):
+def run_prefill_mixed(n_heads, n_kv, hd, bs, device, dtype, prefill=pa.paged_attention_prefill):
     """Whole prefills, chunked prefills after a cached prefix, and decode rows in one batch."""
-    bs = block_size
     q_and_context_lens = [
         (67, 67), (bs + 1, bs + 1),        # whole prefills
         (20, 131), (bs - 1, 2 * bs + 3),   # chunks after a cached prefix
@@ -604,12 +603,18 @@ def test_prefill_mixed(device, dtype, n_heads, n_kv, hd, block_size):
     cu_seqlens_q = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
     scale = hd ** -0.5
     out = nan_like(q)
-    ret = pa.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens,
-                                     max(q_lens), scale, out=out)
+    ret = prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, max(q_lens), scale, out=out)
     assert ret is out
     ref = pa.paged_attention_prefill_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
                                          cu_seqlens_q, lens, max(q_lens), scale)
-    compare(out, ref, dtype, f"prefill {n_heads}/{n_kv} hd{hd} bs{bs}")
+    return out, ref
+
+
+@DEVICE_DTYPES
+@SHAPES
+def test_prefill_mixed(device, dtype, n_heads, n_kv, hd, block_size):
+    out, ref = run_prefill_mixed(n_heads, n_kv, hd, block_size, device, dtype)
+    compare(out, ref, dtype, f"prefill {n_heads}/{n_kv} hd{hd} bs{block_size}")
 
 
 @DEVICE_DTYPES
@@ -623,6 +628,49 @@ def test_prefill_matches_decode(device, dtype):
     cu_seqlens_q = torch.arange(len(context_lens) + 1, dtype=torch.int32, device=device)
     out = pa.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, 1, 64 ** -0.5)
     compare(out, out_decode, dtype, "prefill vs decode")
+
+
+# ----------------------------------------------------------------------------
+# The CPU path (torch SDPA over K/V gathered from the pool) against the same
+# references and NaN-poisoned pools; plain torch, so no interpreter needed.
+
+CPU_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+
+
+@CPU_DTYPES
+@SHAPES
+@pytest.mark.parametrize("context_lens", [
+    [1, 15, 16, 17, 67, 131],   # ragged: shorter contexts padded and masked
+    [131],                      # one sequence: no mask at all
+    [67, 67, 67],               # equal lengths: no mask either
+], ids=["ragged", "one", "equal"])
+def test_decode_sdpa(dtype, n_heads, n_kv, hd, block_size, context_lens):
+    out, ref = run_decode(context_lens, n_heads, n_kv, hd, block_size, "cpu", dtype,
+                          decode=pa.paged_attention_decode_sdpa)
+    compare(out, ref, dtype, f"decode sdpa {n_heads}/{n_kv} hd{hd} bs{block_size} L={context_lens}")
+
+
+@CPU_DTYPES
+@SHAPES
+def test_prefill_sdpa(dtype, n_heads, n_kv, hd, block_size):
+    out, ref = run_prefill_mixed(n_heads, n_kv, hd, block_size, "cpu", dtype,
+                                 prefill=pa.paged_attention_prefill_sdpa)
+    compare(out, ref, dtype, f"prefill sdpa {n_heads}/{n_kv} hd{hd} bs{block_size}")
+
+
+def test_store_kvcache_sdpa():
+    gen = torch.Generator().manual_seed(0)
+    _, k, v = fused_qkv_views(9, 6, 3, 64, torch.float32, "cpu", gen)
+    shape = (4, 8, 3, 64)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slot_mapping = torch.randperm(32, generator=gen)[:9]
+    pa.store_kvcache_ref(k, v, k_ref, v_ref, slot_mapping)
+    pa.store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    slot_mapping[3] = -1   # a padding token has no place on the CPU path: an error, not a skip
+    with pytest.raises((IndexError, RuntimeError)):
+        pa.store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping)
 
 
 # ----------------------------------------------------------------------------
