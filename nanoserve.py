@@ -110,6 +110,8 @@ class Config:
     enable_prefix_caching: bool = _flag("reuse KV blocks of prompts seen before",
                                         default=True, meta={"flag": "--no-prefix-caching"})
     enforce_eager: bool = _flag("no CUDA graphs (they are only used on cuda)", default=False)
+    num_threads: int = _flag("torch threads of the engine on cpu (0: one per core it may use)",
+                             default=0)
     # -- server settings --
     host: str = _flag("address the server binds to", default="127.0.0.1")
     port: int = _flag("port the server listens on", default=8000)
@@ -849,6 +851,13 @@ class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.use_cuda = self.device.type == "cuda"
+        if self.device.type == "cpu":
+            # One thread per core the engine may use: torch counts physical cores,
+            # not the CPUs a container or taskset grants, and extra threads only
+            # contend. Set here, where the step loop runs, not in the server.
+            cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count())                       # macOS: no affinity mask
+            torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.num_blocks = self.allocate_kv_cache()

@@ -747,12 +747,11 @@ class ServerThread:
 def engine():
     if OpenAI is None or not os.path.isfile(os.path.join(DEFAULT_MODEL, "config.json")):
         pytest.skip("the server tests need the openai client and the default model")
-    num_threads = torch.get_num_threads()
-    if not torch.cuda.is_available():
-        # A shared CPU: one intra-op thread keeps OpenMP workers from spinning
-        # against other processes (5-10x faster on a loaded 2-core machine).
-        torch.set_num_threads(1)
-    engine = AsyncEngine(LLMEngine(Config(model=DEFAULT_MODEL, device="cpu")))
+    num_threads = torch.get_num_threads()   # the engine sets the process's count
+    # A shared CPU: one intra-op thread keeps OpenMP workers from spinning
+    # against other processes (5-10x faster on a loaded 2-core machine).
+    engine = AsyncEngine(LLMEngine(Config(model=DEFAULT_MODEL, device="cpu",
+                                          num_threads=0 if torch.cuda.is_available() else 1)))
     yield engine
     engine.shutdown()
     torch.set_num_threads(num_threads)
