@@ -656,7 +656,9 @@ def latency_cpu_workloads(args, model_dir, shape, hw, rng):
         best = dict.fromkeys(systems, math.inf)
         for _ in range(args.repeats):
             for system, gen in systems.items():
-                best[system] = min(best[system], timed(lambda: gen(prompt, n), args.device)[0])
+                seconds = timed(lambda: gen(prompt, n), args.device)[0]
+                log(f"  {system} T={T}+{n}: {seconds:.2f} s")
+                best[system] = min(best[system], seconds)
         # hardware-relative: the matmul FLOPs of the request (attention left out) per second
         flops = shape.generation_flops(T, n)
         for system, seconds in best.items():

@@ -577,14 +577,17 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 # one; K/V are gathered token by token, which costs what one pass over them
 # costs (transformers' growing cache copies as much every step).
 
-def _token_slots(block_tables, context_lens, num_tokens, block_size):
-    """Pool slot of positions 0 .. num_tokens - 1 of each sequence (B, num_tokens).
+def _token_slots(block_tables, context_lens, L, block_size, ragged):
+    """Pool slot of positions 0 .. L - 1 of each sequence (B, L).
 
-    Positions past a sequence's end repeat its last slot: a padded gather then
-    holds real keys, never stale or NaN memory that would poison the masked
-    softmax (0 * NaN is NaN)."""
-    pos = torch.arange(num_tokens).minimum(context_lens[:, None] - 1)  # (B, num_tokens)
-    return block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size
+    When the lengths are ragged, positions past a sequence's end repeat its
+    last slot: a padded gather then holds real keys, never stale or NaN memory
+    that would poison the masked softmax (0 * NaN is NaN)."""
+    # every slot of every block in the table, in order: (B, max_blocks * block_size)
+    slots = (block_tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+    if not ragged:
+        return slots[:, :L]
+    return slots.gather(1, torch.arange(L).minimum(context_lens[:, None] - 1))
 
 
 def _gather_tokens(cache, slots):
@@ -614,11 +617,12 @@ def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens,
     lens = context_lens.tolist()  # host values: free on a CPU
     assert min(lens, default=1) > 0, "context_len 0 (CUDA-graph padding) has no place on this path"
     L = max(lens, default=0)
-    slots = _token_slots(block_tables, context_lens, L, k_cache.shape[1])  # (B, L)
+    ragged = min(lens, default=L) < L
+    slots = _token_slots(block_tables, context_lens, L, k_cache.shape[1], ragged)  # (B, L)
     k = _gather_tokens(k_cache, slots).transpose(1, 2)  # (B, n_kv, L, hd)
     v = _gather_tokens(v_cache, slots).transpose(1, 2)
     mask = None
-    if min(lens, default=L) < L:
+    if ragged:
         mask = (torch.arange(L) < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
     o = F.scaled_dot_product_attention(q.reshape(B, n_kv, n_heads // n_kv, hd), k, v,
                                        attn_mask=mask, scale=scale)  # (B, n_kv, G, hd)
@@ -644,7 +648,7 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
     # -- prefill chunks --
     for b in (b for b, T in enumerate(q_lens) if T > 1):
         T, L = q_lens[b], lens[b]
-        slots = _token_slots(block_tables[b:b + 1], context_lens[b:b + 1], L, k_cache.shape[1])
+        slots = _token_slots(block_tables[b:b + 1], None, L, k_cache.shape[1], ragged=False)
         k = _gather_tokens(k_cache, slots).transpose(1, 2)  # (1, n_kv, L, hd)
         v = _gather_tokens(v_cache, slots).transpose(1, 2)
         mask = None
