@@ -574,8 +574,9 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 # tokens, hd) inputs: the 3-D calls of the references above fall back to the
 # "math" SDPA, which materializes every score (8x slower for 2k tokens). Per
 # layer, all the step's decode rows share one call and each prefill chunk gets
-# one; K/V are gathered token by token, which costs what one pass over them
-# costs (transformers' growing cache copies as much every step).
+# one. K/V are gathered token by token, which costs one pass over them
+# (transformers' growing cache copies as much every step), except where a lone
+# sequence's blocks lie in order in the pool: then SDPA reads them in place.
 
 def _token_slots(block_tables, context_lens, L, block_size, ragged):
     """Pool slot of positions 0 .. L - 1 of each sequence (B, L).
@@ -594,6 +595,23 @@ def _gather_tokens(cache, slots):
     """K or V of the given slots: (B, L) slots -> (B, L, n_kv, hd)."""
     rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.flatten())
     return rows.view(*slots.shape, *cache.shape[2:])
+
+
+def _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged):
+    """K and V of positions 0 .. L - 1 of each sequence, (B, n_kv, L, hd) each.
+
+    One sequence whose blocks are consecutive in the pool (a fresh pool hands
+    blocks out in order, so a lone sequence's usually are) is one run of
+    slots: a view of the pool, no copy. Anything else is gathered."""
+    block_size = k_cache.shape[1]
+    if block_tables.shape[0] == 1:
+        ids = block_tables[0, :-(-L // block_size)].tolist()
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            start = ids[0] * block_size
+            return [c.view(-1, *c.shape[2:])[None, start:start + L].transpose(1, 2)
+                    for c in (k_cache, v_cache)]
+    slots = _token_slots(block_tables, context_lens, L, block_size, ragged)  # (B, L)
+    return [_gather_tokens(c, slots).transpose(1, 2) for c in (k_cache, v_cache)]
 
 
 def store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping):
@@ -618,9 +636,7 @@ def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens,
     assert min(lens, default=1) > 0, "context_len 0 (CUDA-graph padding) has no place on this path"
     L = max(lens, default=0)
     ragged = min(lens, default=L) < L
-    slots = _token_slots(block_tables, context_lens, L, k_cache.shape[1], ragged)  # (B, L)
-    k = _gather_tokens(k_cache, slots).transpose(1, 2)  # (B, n_kv, L, hd)
-    v = _gather_tokens(v_cache, slots).transpose(1, 2)
+    k, v = _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged)  # (B, n_kv, L, hd)
     mask = None
     if ragged:
         mask = (torch.arange(L) < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
@@ -643,14 +659,14 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
     decode_seqs = [b for b, T in enumerate(q_lens) if T == 1]
     if decode_seqs:
         rows = cu_seqlens_q[decode_seqs].long()
-        out[rows] = paged_attention_decode_sdpa(q[rows], k_cache, v_cache, block_tables[decode_seqs],
-                                                context_lens[decode_seqs], scale)
+        out[rows] = paged_attention_decode_sdpa(q[rows], k_cache, v_cache,
+                                                block_tables[decode_seqs], context_lens[decode_seqs],
+                                                scale)
     # -- prefill chunks --
     for b in (b for b, T in enumerate(q_lens) if T > 1):
         T, L = q_lens[b], lens[b]
-        slots = _token_slots(block_tables[b:b + 1], None, L, k_cache.shape[1], ragged=False)
-        k = _gather_tokens(k_cache, slots).transpose(1, 2)  # (1, n_kv, L, hd)
-        v = _gather_tokens(v_cache, slots).transpose(1, 2)
+        k, v = _read_kv(k_cache, v_cache, block_tables[b:b + 1], None, L, ragged=False)
+        # k, v: (1, n_kv, L, hd)
         mask = None
         if T < L:  # query j sits at position L - T + j: the diagonal is offset
             mask = torch.arange(L) <= torch.arange(L - T, L)[:, None]  # (T, L)

@@ -658,6 +658,30 @@ def test_prefill_sdpa(dtype, n_heads, n_kv, hd, block_size):
     compare(out, ref, dtype, f"prefill sdpa {n_heads}/{n_kv} hd{hd} bs{block_size}")
 
 
+def test_sdpa_reads_consecutive_blocks_in_place():
+    """A lone sequence whose blocks are consecutive in the pool is read as a view
+    (no gather); the tail of its last block is NaN, so reading past L would show."""
+    n_heads, n_kv, hd, bs, L = 8, 2, 64, 16, 61
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.full((8, bs, n_kv, hd), float("nan"))
+    v_cache = k_cache.clone()
+    block_tables = torch.tensor([[2, 3, 4, 5, 0]], dtype=torch.int32)   # 4 blocks in order, 1 padding
+    for cache in (k_cache, v_cache):
+        cache.view(-1, n_kv, hd)[2 * bs:2 * bs + L] = torch.randn(L, n_kv, hd, generator=gen)
+    lens = torch.tensor([L], dtype=torch.int32)
+    k, _ = pa._read_kv(k_cache, v_cache, block_tables, lens, L, ragged=False)
+    assert k.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr(), "not read in place"
+    q = torch.randn(1, n_heads, hd, generator=gen)
+    out = pa.paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, lens, hd ** -0.5)
+    ref = pa.paged_attention_decode_ref(q, k_cache, v_cache, block_tables, lens, hd ** -0.5)
+    compare(out, ref, torch.float32, "decode sdpa in place")
+    q = torch.randn(20, n_heads, hd, generator=gen)   # a chunk after a 41-token prefix
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    out = pa.paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu, lens, 20, hd ** -0.5)
+    ref = pa.paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu, lens, 20, hd ** -0.5)
+    compare(out, ref, torch.float32, "prefill sdpa in place")
+
+
 def test_store_kvcache_sdpa():
     gen = torch.Generator().manual_seed(0)
     _, k, v = fused_qkv_views(9, 6, 3, 64, torch.float32, "cpu", gen)
