@@ -18,11 +18,14 @@ never gathered or repeated for grouped-query attention), and each wrapper only
 launches work sized from static shapes: no host sync, so the engine can
 capture a whole decode step in a CUDA graph.
 
+Without a GPU the engine runs the `*_sdpa` functions at the end of the file
+instead: torch's CPU flash attention over K/V read from the same pool.
+
 Left out on purpose: fp8 KV caches, sliding windows, ALiBi, logit soft-capping,
 head dims that are not a power of two.
 
-Checked against the references in this file (which are also the CPU path of
-the engine) by the kernel tests:
+Checked against the plain torch references in this file (the Triton kernels
+and the CPU path alike) by the kernel tests:
 
     TRITON_INTERPRET=1 pytest -q test_nanoserve.py    # CPU, Triton interpreter
     pytest -q test_nanoserve.py                       # GPU, bf16
