@@ -1115,7 +1115,7 @@ def parse_args(argv=None):
     g = common.add_argument_group("nanoserve engine (its own defaults unless set)")
     for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
-    g.add_argument("--attention", choices=["triton", "torch"])
+    g.add_argument("--attention", choices=["triton", "sdpa", "torch"])
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],

@@ -263,7 +263,7 @@ def test_token_id_prompts_and_order(smol_llm):
     assert outs[1].token_ids == smol_llm.generate([SMOL_PROMPTS[0]], GREEDY)[0].token_ids
 
 
-def test_engine_attention_implementations_agree(tiny):
+def test_engine_triton_and_sdpa_attention_equal_torch(tiny):
     """The whole engine with the Triton kernels (interpreted on CPU) and with the
     CPU path (sdpa) against the torch references and transformers, fp32, with
     chunked prefills mixed into decodes (and, on CUDA, decode steps replayed
