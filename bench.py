@@ -6,7 +6,9 @@ the same inputs.
                 transformers `generate` (static batches), transformers
                 `generate_batch` (its continuous batching) and vLLM if installed
     latency     batch-1 decode (ms/token, GB/s), prefill (TFLOP/s), and decode
-                tok/s as the batch grows; nanoserve against transformers
+                tok/s as the batch grows; nanoserve against transformers; on
+                a CPU also the two first-impression workloads (one sequence, a
+                long prompt) with both systems side by side and their ratio
     serve       the HTTP server under Poisson arrivals and a closed loop:
                 TTFT and inter-token latency percentiles
     kernel      the paged-attention decode kernel against its torch reference
@@ -32,6 +34,9 @@ GPU (H100/H200; the model defaults to --random llama-3.2-1b there):
     python bench.py prefix --json bench_out/prefix.json
   (throughput without --hf-num-seqs runs transformers on all 256 requests:
   several minutes more; --model DIR runs a real checkpoint instead)
+
+CPU, the real model (the speed section of the README):
+    python bench.py latency --device cpu --model weights/SmolLM2-135M-Instruct
 
 CPU smoke (checks that every path runs, in under a minute each; the numbers
 mean nothing):
@@ -563,6 +568,12 @@ def plot_bars(values, ylabel, title, out_dir, name):
 # prefill is the time of generate(max_new_tokens=1) and decode is
 # time(n tokens) - time(1 token) over n - 1 steps; (c) uses that difference
 # for both systems, so a batch's prefill never counts as decode time.
+# On a CPU, (d) times two whole requests, prompt to last token, greedy with
+# EOS ignored and the prefix cache off: one sequence of --decode-len new
+# tokens, and a --long-prompt-len prompt with --long-decode-len new tokens.
+# Both systems stay loaded and take turns, best of --repeats each, so that a
+# shared machine's load falls on both alike; x_transformers is the ratio of
+# their times (above 1: nanoserve is faster).
 
 
 def decode_line(system, setting, shape, hw, B, ctx, steps, seconds):
@@ -630,8 +641,35 @@ def decode_by_difference(system, args, shape, hw, B, rng, gen, n=None):
                        args.prompt_len + n / 2, n - 1, t_all - t_one)
 
 
+def latency_cpu_workloads(args, model_dir, shape, hw, rng):
+    """(d): two whole requests, both systems loaded side by side, taking turns."""
+    llm = make_llm(args, model_dir, enable_prefix_caching=False,
+                   **({} if args.max_num_batched_tokens else
+                      {"max_num_batched_tokens": max(8192, args.long_prompt_len)}))
+    model = load_hf_model(model_dir, args)
+    systems = {"nanoserve": lambda prompt, n: nanoserve_generate(llm, [prompt], n),
+               "transformers-generate": lambda prompt, n: hf_generate(model, [prompt], n)}
+    for gen in systems.values():  # warm-up
+        gen(random_prompts(rng, shape.vocab_size, [32])[0], 8)
+    for T, n in ((args.prompt_len, args.decode_len), (args.long_prompt_len, args.long_decode_len)):
+        prompt = random_prompts(rng, shape.vocab_size, [T])[0]  # the same one for both
+        best = dict.fromkeys(systems, math.inf)
+        for _ in range(args.repeats):
+            for system, gen in systems.items():
+                seconds = timed(lambda: gen(prompt, n), args.device)[0]
+                log(f"  {system} T={T}+{n}: {seconds:.2f} s")
+                best[system] = min(best[system], seconds)
+        # hardware-relative: the matmul FLOPs of the request (attention left out) per second
+        flops = shape.generation_flops(T, n)
+        for system, seconds in best.items():
+            tflops = flops / seconds / 1e12
+            report(system, f"request T={T}+{n}", tok_s=n / seconds, seconds=seconds,
+                   x_transformers=best["transformers-generate"] / seconds, tflop_s=tflops,
+                   pct_matmul=100 * tflops / hw["matmul_TFLOP_s"])
+
+
 def latency(args, model_dir, hw):
-    """Batch-1 decode, prefill, and decode tok/s as the batch grows."""
+    """Batch-1 decode, prefill, decode tok/s as the batch grows; on cpu, whole requests too."""
     shape = model_shape(model_dir, args.torch_dtype)
     log(f"{shape.num_params / 1e6:.1f} M parameters, {shape.kv_bytes_per_token} KV bytes per token")
     curves = {}
@@ -643,6 +681,9 @@ def latency(args, model_dir, hw):
         except Exception:
             traceback.print_exc()
             log(f"{system} FAILED, skipped")
+        free_memory()
+    if not args.device.startswith("cuda") and set(args.systems) >= {"nanoserve", "transformers-generate"}:
+        latency_cpu_workloads(args, model_dir, shape, hw, random.Random(0))
         free_memory()
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -1056,10 +1097,13 @@ SIZE_FLAGS = {
         ("hf_num_seqs", int, None, None, "transformers runs on the first N requests only (default: all)")],
     "latency": [
         ("prompt_len", int, 128, 16, "prompt of the decode settings"),
-        ("decode_len", int, 256, 16, "new tokens of the batch-1 decode"),
+        ("decode_len", int, 256, 128, "new tokens of the batch-1 decode and the cpu one-sequence request"),
         ("batch_decode_len", int, 128, 8, "new tokens of each batch-size setting"),
         ("prefill_lens", int_list, [128, 512, 2048, 8192], [16, 64, 256], "prompt lengths of the prefill"),
-        ("batch_sizes", int_list, [1, 8, 32, 128, 256], [1, 4, 8], "batches of the decode scaling")],
+        ("batch_sizes", int_list, [1, 8, 32, 128, 256], [1, 4, 8], "batches of the decode scaling"),
+        ("long_prompt_len", int, 2000, 2000, "prompt of the long-prompt request (cpu only)"),
+        ("long_decode_len", int, 32, 32, "new tokens of the long-prompt request (cpu only)"),
+        ("repeats", int, 3, 3, "turns of each cpu request; the best counts (cpu only)")],
     "serve": [
         ("rates", rate_list, [32.0, math.inf], [8.0, math.inf],
          "requests/s, comma-separated; inf sends all at once (and runs them offline too)"),
@@ -1092,7 +1136,7 @@ def parse_args(argv=None):
     g = common.add_argument_group("nanoserve engine (its own defaults unless set)")
     for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
-    g.add_argument("--attention", choices=["triton", "torch"])
+    g.add_argument("--attention", choices=["triton", "sdpa", "torch"])
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],

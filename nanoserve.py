@@ -103,8 +103,8 @@ class Config:
     device: str = _flag("cuda or cpu (auto: cuda when there is one)", default="auto")
     dtype: str = _flag("float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)",
                        default="auto")
-    attention: str = _flag("paged-attention implementation: triton or torch "
-                           "(auto: triton on cuda)", default="auto")
+    attention: str = _flag("paged-attention implementation: triton, sdpa or torch "
+                           "(auto: triton on cuda, sdpa on cpu)", default="auto")
     block_size: int = _flag("tokens per KV-cache block (a power of two)", default=16)
     num_blocks: int = _flag("KV blocks in the pool (0: sized from memory)", default=0)
     gpu_memory_utilization: float = _flag(
@@ -119,6 +119,8 @@ class Config:
                                         "of prompts seen before)", default=True,
                                         meta={"flag": "--no-prefix-caching"})
     enforce_eager: bool = _flag("no CUDA graphs (they are only used on cuda)", default=False)
+    num_threads: int = _flag("torch threads of the engine on cpu (0: one per core it may use)",
+                             default=0)
     # -- server settings --
     host: str = _flag("address the server binds to", default="127.0.0.1")
     port: int = _flag("port the server listens on", default=8000)
@@ -152,7 +154,7 @@ class Config:
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.attention == "auto":
-            self.attention = "triton" if self.device.startswith("cuda") else "torch"
+            self.attention = "triton" if self.device.startswith("cuda") else "sdpa"
         if self.api_key is None:
             self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
         self._check()
@@ -188,8 +190,8 @@ class Config:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs, "
                              "so that every running sequence can decode in one step")
-        if self.attention not in ("torch", "triton"):
-            raise ValueError(f"attention must be torch or triton, got {self.attention!r}")
+        if self.attention not in ("triton", "sdpa", "torch"):
+            raise ValueError(f"attention must be triton, sdpa or torch, got {self.attention!r}")
         if self.attention == "triton" and not self.device.startswith("cuda") \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
@@ -364,10 +366,14 @@ class AttentionMetadata:
     is_decode: bool                   # every sequence brings exactly one new token
 
 
-# The two attention implementations, with identical signatures: the Triton
-# kernels read the paged cache directly; the torch references gather it.
+# The attention implementations, with identical signatures: the Triton
+# kernels read the paged cache directly; the CPU path (sdpa) gathers it and
+# calls torch's fused attention once per step's decodes and per prefill chunk;
+# the plain torch references, one sequence at a time, are what both are tested against.
 ATTENTION_OPS = {
     "triton": (pa.store_kvcache, pa.paged_attention_prefill, pa.paged_attention_decode),
+    "sdpa": (pa.store_kvcache_sdpa, pa.paged_attention_prefill_sdpa,
+             pa.paged_attention_decode_sdpa),
     "torch": (pa.store_kvcache_ref, pa.paged_attention_prefill_ref,
               pa.paged_attention_decode_ref),
 }
@@ -908,6 +914,13 @@ class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.use_cuda = self.device.type == "cuda"
+        if self.device.type == "cpu":
+            # One thread per core the engine may use: torch counts physical cores,
+            # not the CPUs a container or taskset grants, and extra threads only
+            # contend. Set here, where the step loop runs, not in the server.
+            cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count())                       # macOS: no affinity mask
+            torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         self.num_blocks = self.allocate_kv_cache()

@@ -22,11 +22,14 @@ never gathered or repeated for grouped-query attention), and each wrapper only
 launches work sized from static shapes: no host sync, so the engine can
 capture a whole decode step in a CUDA graph.
 
+Without a GPU the engine runs the `*_sdpa` functions at the end of the file
+instead: torch's CPU flash attention over K/V read from the same pool.
+
 Left out on purpose: fp8 KV caches, sliding windows, ALiBi, logit soft-capping,
 head dims that are not a power of two.
 
-Checked against the references in this file (which are also the CPU path of
-the engine) by the kernel tests:
+Checked against the plain torch references in this file (the Triton kernels
+and the CPU path alike) by the kernel tests:
 
     TRITON_INTERPRET=1 pytest -q test_nanoserve.py    # CPU, Triton interpreter
     pytest -q test_nanoserve.py                       # GPU, bf16
@@ -875,3 +878,114 @@ def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, 
         N_HEADS_PAD=triton.next_power_of_2(n_heads), N_KV_PAD=triton.next_power_of_2(n_kv),
         HEAD_DIM=hd,
     )
+
+
+# ----------------------------------------------------------------------------
+# The CPU path: torch's fused attention over K/V gathered from the pool
+# Triton needs a GPU, so on a CPU the engine calls SDPA, whose CPU kernel is a
+# flash attention (tiled online softmax, no score matrix in memory) that skips
+# the tiles above the causal diagonal. It takes only 4-D (batch, heads,
+# tokens, hd) inputs: the 3-D calls of the references above fall back to the
+# "math" SDPA, which materializes every score (8x slower for 2k tokens). Per
+# layer, all the step's decode rows share one call and each prefill chunk gets
+# one. K/V are gathered token by token, which costs one pass over them
+# (transformers' growing cache copies as much every step), except where a lone
+# sequence's blocks lie in order in the pool: then SDPA reads them in place.
+
+def _token_slots(block_tables, context_lens, L, block_size, ragged):
+    """Pool slot of positions 0 .. L - 1 of each sequence (B, L).
+
+    When the lengths are ragged, positions past a sequence's end repeat its
+    last slot: a padded gather then holds real keys, never stale or NaN memory
+    that would poison the masked softmax (0 * NaN is NaN)."""
+    # every slot of every block in the table, in order: (B, max_blocks * block_size)
+    slots = (block_tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+    if not ragged:
+        return slots[:, :L]
+    return slots.gather(1, torch.arange(L).minimum(context_lens[:, None] - 1))
+
+
+def _gather_tokens(cache, slots):
+    """K or V of the given slots: (B, L) slots -> (B, L, n_kv, hd)."""
+    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.flatten())
+    return rows.view(*slots.shape, *cache.shape[2:])
+
+
+def _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged):
+    """K and V of positions 0 .. L - 1 of each sequence, (B, n_kv, L, hd) each.
+
+    One sequence whose blocks are consecutive in the pool (a fresh pool hands
+    blocks out in order, so a lone sequence's usually are) is one run of
+    slots: a view of the pool, no copy. Anything else is gathered."""
+    block_size = k_cache.shape[1]
+    if block_tables.shape[0] == 1:
+        ids = block_tables[0, :-(-L // block_size)].tolist()
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            start = ids[0] * block_size
+            return [c.view(-1, *c.shape[2:])[None, start:start + L].transpose(1, 2)
+                    for c in (k_cache, v_cache)]
+    slots = _token_slots(block_tables, context_lens, L, block_size, ragged)  # (B, L)
+    return [_gather_tokens(c, slots).transpose(1, 2) for c in (k_cache, v_cache)]
+
+
+def store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping):
+    """store_kvcache_ref without the padding mask: a CPU step has no padding
+    tokens (no CUDA graphs), and index_copy_ rejects a -1 slot."""
+    _check_cache(k_cache, v_cache)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
+    """One SDPA call for the whole batch, over K/V padded to the longest context.
+
+    GQA packing, as in the decode kernel: the G query heads of a kv head become
+    G query rows of one (B, n_kv) attention, so K/V are neither repeated nor
+    broadcast, and no causal mask is needed (the one query sees every key).
+    A key mask hides the padding of contexts shorter than the longest."""
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
+    B, n_heads, hd = q.shape
+    n_kv = k_cache.shape[2]
+    lens = context_lens.tolist()  # host values: free on a CPU
+    assert min(lens, default=1) > 0, "context_len 0 (CUDA-graph padding) has no place on this path"
+    L = max(lens, default=0)
+    ragged = min(lens, default=L) < L
+    k, v = _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged)  # (B, n_kv, L, hd)
+    mask = None
+    if ragged:
+        mask = (torch.arange(L) < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
+    o = F.scaled_dot_product_attention(q.reshape(B, n_kv, n_heads // n_kv, hd), k, v,
+                                       attn_mask=mask, scale=scale)  # (B, n_kv, G, hd)
+    o = o.view(B, n_heads, hd)
+    return o if out is None else out.copy_(o)
+
+
+def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                 max_seqlen_q, scale, out=None):
+    """The decode rows of a mixed step in one batched call, then one call per
+    prefill chunk: a plain causal mask (is_causal, never materialized) when
+    the chunk is the whole sequence, an explicit (T, L) one after a cached prefix."""
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()  # host values: free on a CPU
+    q_lens = [end - start for start, end in zip(cu, cu[1:])]
+    # -- decode rows --
+    decode_seqs = [b for b, T in enumerate(q_lens) if T == 1]
+    if decode_seqs:
+        rows = cu_seqlens_q[decode_seqs].long()
+        out[rows] = paged_attention_decode_sdpa(q[rows], k_cache, v_cache,
+                                                block_tables[decode_seqs], context_lens[decode_seqs],
+                                                scale)
+    # -- prefill chunks --
+    for b in (b for b, T in enumerate(q_lens) if T > 1):
+        T, L = q_lens[b], lens[b]
+        k, v = _read_kv(k_cache, v_cache, block_tables[b:b + 1], None, L, ragged=False)
+        # k, v: (1, n_kv, L, hd)
+        mask = None
+        if T < L:  # query j sits at position L - T + j: the diagonal is offset
+            mask = torch.arange(L) <= torch.arange(L - T, L)[:, None]  # (T, L)
+        o = F.scaled_dot_product_attention(q[None, cu[b]:cu[b + 1]].transpose(1, 2), k, v,
+                                           attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=True)  # (1, n_heads, T, hd)
+        out[cu[b]:cu[b + 1]] = o[0].transpose(0, 1)
+    return out

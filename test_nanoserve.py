@@ -265,22 +265,23 @@ def test_token_id_prompts_and_order(smol_llm):
     assert outs[1].token_ids == smol_llm.generate([SMOL_PROMPTS[0]], GREEDY)[0].token_ids
 
 
-def test_engine_triton_attention_equals_torch(tiny):
-    """The whole engine with the Triton kernels (interpreted on CPU) against the
-    torch path and transformers, fp32, with chunked prefills mixed into decodes
-    (and, on CUDA, decode steps replayed from CUDA graphs)."""
+def test_engine_triton_and_sdpa_attention_equal_torch(tiny):
+    """The whole engine with the Triton kernels (interpreted on CPU) and with the
+    CPU path (sdpa) against the torch references and transformers, fp32, with
+    chunked prefills mixed into decodes (and, on CUDA, decode steps replayed
+    from CUDA graphs)."""
     path, hf = tiny
     device = "cuda" if CUDA else "cpu"
     prompts = [list(range(5, 16)), [20, 21, 22], list(range(30, 90))]
     n = 40 if CUDA else 6
     params = ns.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = {}
-    for attention in ("torch", "triton"):
+    for attention in ("torch", "sdpa", "triton"):
         llm = ns.LLM(path, device=device, dtype="float32", attention=attention, num_blocks=64,
                      block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
         outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
         check_pool_is_free(llm.engine)
-    assert outs["triton"] == outs["torch"]
+    assert outs["triton"] == outs["torch"] and outs["sdpa"] == outs["torch"]
     assert outs["torch"] == [hf_greedy(hf, p, n) for p in prompts]
 
 
@@ -727,14 +728,15 @@ def test_store_kvcache(device, dtype, n_kv, hd, block_size):
 # ----------------------------------------------------------------------------
 # decode
 
-def run_decode(context_lens, n_heads, n_kv, hd, block_size, device, dtype, extra_cols=1, seed=0):
+def run_decode(context_lens, n_heads, n_kv, hd, block_size, device, dtype, extra_cols=1, seed=0,
+               decode=pa.paged_attention_decode):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables, lens = make_paged_cache(
         context_lens, block_size, n_kv, hd, dtype, device, gen, extra_cols)
     q, _, _ = fused_qkv_views(len(context_lens), n_heads, n_kv, hd, dtype, device, gen)
     scale = hd ** -0.5
     out = nan_like(q)
-    ret = pa.paged_attention_decode(q, k_cache, v_cache, block_tables, lens, scale, out=out)
+    ret = decode(q, k_cache, v_cache, block_tables, lens, scale, out=out)
     assert ret is out
     ref = pa.paged_attention_decode_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
                                         lens, scale)
@@ -765,11 +767,8 @@ def test_decode_many_splits(device, dtype):
 # ----------------------------------------------------------------------------
 # prefill
 
-@DEVICE_DTYPES
-@SHAPES
-def test_prefill_mixed(device, dtype, n_heads, n_kv, hd, block_size):
+def run_prefill_mixed(n_heads, n_kv, hd, bs, device, dtype, prefill=pa.paged_attention_prefill):
     """Whole prefills, chunked prefills after a cached prefix, and decode rows in one batch."""
-    bs = block_size
     q_and_context_lens = [
         (67, 67), (bs + 1, bs + 1),        # whole prefills
         (20, 131), (bs - 1, 2 * bs + 3),   # chunks after a cached prefix
@@ -784,12 +783,18 @@ def test_prefill_mixed(device, dtype, n_heads, n_kv, hd, block_size):
     cu_seqlens_q = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
     scale = hd ** -0.5
     out = nan_like(q)
-    ret = pa.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens,
-                                     max(q_lens), scale, out=out)
+    ret = prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, max(q_lens), scale, out=out)
     assert ret is out
     ref = pa.paged_attention_prefill_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
                                          cu_seqlens_q, lens, max(q_lens), scale)
-    compare(out, ref, dtype, f"prefill {n_heads}/{n_kv} hd{hd} bs{bs}")
+    return out, ref
+
+
+@DEVICE_DTYPES
+@SHAPES
+def test_prefill_mixed(device, dtype, n_heads, n_kv, hd, block_size):
+    out, ref = run_prefill_mixed(n_heads, n_kv, hd, block_size, device, dtype)
+    compare(out, ref, dtype, f"prefill {n_heads}/{n_kv} hd{hd} bs{block_size}")
 
 
 @DEVICE_DTYPES
@@ -878,6 +883,73 @@ def test_rope_store_kvcache(device, dtype, n_heads, n_kv, hd):
     changed = (k_cache != k_before).flatten(2).any(-1).flatten()  # (num_blocks * block_size,)
     assert changed.nonzero().flatten().sort().values.tolist() == \
         slot_mapping[valid].sort().values.tolist(), "exactly the valid slots are written"
+
+
+# ----------------------------------------------------------------------------
+# The CPU path (torch SDPA over K/V gathered from the pool) against the same
+# references and NaN-poisoned pools; plain torch, so no interpreter needed.
+
+CPU_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+
+
+@CPU_DTYPES
+@SHAPES
+@pytest.mark.parametrize("context_lens", [
+    [1, 15, 16, 17, 67, 131],   # ragged: shorter contexts padded and masked
+    [131],                      # one sequence: no mask at all
+    [67, 67, 67],               # equal lengths: no mask either
+], ids=["ragged", "one", "equal"])
+def test_decode_sdpa(dtype, n_heads, n_kv, hd, block_size, context_lens):
+    out, ref = run_decode(context_lens, n_heads, n_kv, hd, block_size, "cpu", dtype,
+                          decode=pa.paged_attention_decode_sdpa)
+    compare(out, ref, dtype, f"decode sdpa {n_heads}/{n_kv} hd{hd} bs{block_size} L={context_lens}")
+
+
+@CPU_DTYPES
+@SHAPES
+def test_prefill_sdpa(dtype, n_heads, n_kv, hd, block_size):
+    out, ref = run_prefill_mixed(n_heads, n_kv, hd, block_size, "cpu", dtype,
+                                 prefill=pa.paged_attention_prefill_sdpa)
+    compare(out, ref, dtype, f"prefill sdpa {n_heads}/{n_kv} hd{hd} bs{block_size}")
+
+
+def test_sdpa_reads_consecutive_blocks_in_place():
+    """A lone sequence whose blocks are consecutive in the pool is read as a view
+    (no gather); the tail of its last block is NaN, so reading past L would show."""
+    n_heads, n_kv, hd, bs, L = 8, 2, 64, 16, 61
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.full((8, bs, n_kv, hd), float("nan"))
+    v_cache = k_cache.clone()
+    block_tables = torch.tensor([[2, 3, 4, 5, 0]], dtype=torch.int32)   # 4 blocks in order, 1 padding
+    for cache in (k_cache, v_cache):
+        cache.view(-1, n_kv, hd)[2 * bs:2 * bs + L] = torch.randn(L, n_kv, hd, generator=gen)
+    lens = torch.tensor([L], dtype=torch.int32)
+    k, _ = pa._read_kv(k_cache, v_cache, block_tables, lens, L, ragged=False)
+    assert k.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr(), "not read in place"
+    q = torch.randn(1, n_heads, hd, generator=gen)
+    out = pa.paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, lens, hd ** -0.5)
+    ref = pa.paged_attention_decode_ref(q, k_cache, v_cache, block_tables, lens, hd ** -0.5)
+    compare(out, ref, torch.float32, "decode sdpa in place")
+    q = torch.randn(20, n_heads, hd, generator=gen)   # a chunk after a 41-token prefix
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    out = pa.paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu, lens, 20, hd ** -0.5)
+    ref = pa.paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu, lens, 20, hd ** -0.5)
+    compare(out, ref, torch.float32, "prefill sdpa in place")
+
+
+def test_store_kvcache_sdpa():
+    gen = torch.Generator().manual_seed(0)
+    _, k, v = fused_qkv_views(9, 6, 3, 64, torch.float32, "cpu", gen)
+    shape = (4, 8, 3, 64)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slot_mapping = torch.randperm(32, generator=gen)[:9]
+    pa.store_kvcache_ref(k, v, k_ref, v_ref, slot_mapping)
+    pa.store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    slot_mapping[3] = -1   # a padding token has no place on the CPU path: an error, not a skip
+    with pytest.raises((IndexError, RuntimeError)):
+        pa.store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping)
 
 
 # ----------------------------------------------------------------------------
@@ -978,7 +1050,9 @@ def inject_faults(core):
 def server_config(**kw):
     if OpenAI is None or not os.path.isfile(os.path.join(DEFAULT_MODEL, "config.json")):
         pytest.skip("the server tests need the openai client and the default model")
-    return Config(model=DEFAULT_MODEL, device="cpu", **kw)
+    # A shared CPU: one intra-op thread keeps OpenMP workers from spinning
+    # against other processes (5-10x faster on a loaded 2-core machine).
+    return Config(model=DEFAULT_MODEL, device="cpu", num_threads=1, **kw)
 
 
 @pytest.fixture(scope="module")
