@@ -1573,11 +1573,15 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         outbox.send(f"the engine core failed to start: {e}")
         return
     outbox.send(EngineCoreOutputs([], core.stats()))         # ready
-    # A thread drains the inbox into a queue as messages arrive, so the
-    # server can always send, even while this loop waits to send its own
-    # outputs to a server that is busy: two full pipes would deadlock.
-    inbox_queue = queue.Queue()
+    # Two threads move messages between the pipes and queues, so that the
+    # step loop never waits on the server: one drains the inbox as requests
+    # arrive, one sends the outputs, several steps' worth at once when the
+    # server reads slower than the engine steps. (A loop that sent and
+    # received itself would stall whenever the server is busy, and two full
+    # pipes would deadlock.)
+    inbox_queue, outbox_queue = queue.Queue(), queue.Queue()
     threading.Thread(target=_drain, args=(inbox, inbox_queue), daemon=True).start()
+    threading.Thread(target=_send_outputs, args=(outbox_queue, outbox), daemon=True).start()
     while True:
         # Block only when idle; while sequences run, take what has arrived.
         messages = [] if core.has_unfinished() else [inbox_queue.get()]
@@ -1603,10 +1607,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
                 outputs += core.fail_running(e)
-        try:
-            outbox.send(EngineCoreOutputs(outputs, core.stats()))
-        except OSError:                       # the server is gone: so is the engine core
-            return
+        outbox_queue.put(EngineCoreOutputs(outputs, core.stats()))
 
 
 def _drain(inbox, inbox_queue: queue.Queue):
@@ -1615,6 +1616,16 @@ def _drain(inbox, inbox_queue: queue.Queue):
             inbox_queue.put(inbox.recv())
     except (EOFError, OSError):               # the server is gone: tell the loop
         inbox_queue.put(None)
+
+
+def _send_outputs(outbox_queue: queue.Queue, outbox):
+    with contextlib.suppress(OSError):        # the server is gone; _drain tells the loop
+        while True:
+            messages = [outbox_queue.get()]
+            while not outbox_queue.empty():
+                messages.append(outbox_queue.get_nowait())
+            outbox.send(EngineCoreOutputs([o for m in messages for o in m.outputs],
+                                          messages[-1].stats))
 
 
 # ---------------------------------------------------------------------------
