@@ -37,6 +37,7 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
+import faulthandler
 import hmac
 import json
 import math
@@ -1565,6 +1566,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     the model runner and the device, and steps whenever work is queued.
     `setup(core)`, if given, runs once before the loop (tests inject faults)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the server's to handle
+    faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
         if setup is not None:
@@ -1774,6 +1776,7 @@ class EngineCoreClient:
         """Every request in flight ends with an error; /health turns 503."""
         self.process.join(1)
         self.error = f"the engine core process exited (exit code {self.process.exitcode})"
+        print(f"error: {self.error}; failing every request in flight", file=sys.stderr)
         asyncio.get_running_loop().remove_reader(self.outbox.fileno())
         for request_id, queue in self.queues.items():
             state = self.front.states[request_id]

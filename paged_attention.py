@@ -899,10 +899,11 @@ def _token_slots(block_tables, context_lens, L, block_size, ragged):
     last slot: a padded gather then holds real keys, never stale or NaN memory
     that would poison the masked softmax (0 * NaN is NaN)."""
     # every slot of every block in the table, in order: (B, max_blocks * block_size)
-    slots = (block_tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+    slots = (block_tables[:, :, None] * block_size
+             + torch.arange(block_size, device=block_tables.device)).flatten(1)
     if not ragged:
         return slots[:, :L]
-    return slots.gather(1, torch.arange(L).minimum(context_lens[:, None] - 1))
+    return slots.gather(1, torch.arange(L, device=slots.device).minimum(context_lens[:, None] - 1))
 
 
 def _gather_tokens(cache, slots):
@@ -953,7 +954,7 @@ def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens,
     k, v = _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged)  # (B, n_kv, L, hd)
     mask = None
     if ragged:
-        mask = (torch.arange(L) < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
+        mask = (torch.arange(L, device=q.device) < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
     o = F.scaled_dot_product_attention(q.reshape(B, n_kv, n_heads // n_kv, hd), k, v,
                                        attn_mask=mask, scale=scale)  # (B, n_kv, G, hd)
     o = o.view(B, n_heads, hd)
@@ -983,7 +984,8 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
         # k, v: (1, n_kv, L, hd)
         mask = None
         if T < L:  # query j sits at position L - T + j: the diagonal is offset
-            mask = torch.arange(L) <= torch.arange(L - T, L)[:, None]  # (T, L)
+            pos = torch.arange(L, device=q.device)
+            mask = pos <= pos[L - T:, None]  # (T, L)
         o = F.scaled_dot_product_attention(q[None, cu[b]:cu[b + 1]].transpose(1, 2), k, v,
                                            attn_mask=mask, is_causal=mask is None, scale=scale,
                                            enable_gqa=True)  # (1, n_heads, T, hd)
