@@ -1565,7 +1565,8 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """The engine core process: it owns the scheduler, the block allocator,
     the model runner and the device, and steps whenever work is queued.
     `setup(core)`, if given, runs once before the loop (tests inject faults)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the server's to handle
+    for sig in (signal.SIGINT, signal.SIGTERM):   # the server's to handle: it stops us,
+        signal.signal(sig, signal.SIG_IGN)         # and if it dies, the pipe tells us
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
