@@ -1670,9 +1670,9 @@ class Histogram:
 
 class EngineCoreClient:
     """The server's side of the engine core: it starts the process, sends it
-    requests and aborts, and reads its outputs on the event loop (a reader on
-    the pipe, so no thread of ours competes for the GIL). Each step's outputs
-    go through the FrontEnd, and every request that changed is put on its
+    requests and aborts from the event loop, and receives its outputs on a
+    thread that passes them to the event loop. There each step's outputs go
+    through the FrontEnd, and every request that changed is put on its
     queue: if the loop falls behind, several steps' tokens arrive at once."""
 
     def __init__(self, cfg: Config, setup=None):
@@ -1698,7 +1698,11 @@ class EngineCoreClient:
                              [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10])
 
     def attach(self, loop: asyncio.AbstractEventLoop):
-        loop.add_reader(self.outbox.fileno(), self._read)
+        """Start handing outputs to `loop`. A thread of ours waits on the pipe:
+        a reader on the loop itself would need the pipe non-blocking (uvloop
+        makes it so), and then a large message arrives in pieces."""
+        self.loop = loop
+        threading.Thread(target=self._receive, name="engine-core-outputs", daemon=True).start()
 
     def shutdown(self):
         with contextlib.suppress(OSError):
@@ -1719,7 +1723,7 @@ class EngineCoreClient:
         try:
             if self.error:
                 raise APIError(503, self.error, "internal_error")
-            with contextlib.suppress(OSError):      # a dead process: _read says so
+            with contextlib.suppress(OSError):      # a dead process: _receive says so
                 self.inbox.send(requests)
             while unfinished:
                 state = await changed.get()
@@ -1739,18 +1743,24 @@ class EngineCoreClient:
             with contextlib.suppress(OSError):
                 self.inbox.send(EngineCoreAbort(request_ids))
 
-    def _read(self):
-        """On the event loop, whenever the pipe has data: every step's outputs
-        that have arrived, through the FrontEnd, out to the requests' queues."""
-        outputs = []
-        try:
-            while self.outbox.poll():
-                message = self.outbox.recv()
-                outputs += message.outputs
-                self.stats = message.stats
-        except (EOFError, OSError):
-            self._engine_died()
-        states, stopped = self.front.process(outputs)
+    def _receive(self):
+        """The receiving thread: it blocks on the pipe (without the GIL) and
+        hands the event loop every message that has arrived, in one call."""
+        with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
+            try:
+                while True:
+                    messages = [self.outbox.recv()]
+                    while self.outbox.poll():
+                        messages.append(self.outbox.recv())
+                    self.loop.call_soon_threadsafe(self._deliver, messages)
+            except (EOFError, OSError):
+                self.loop.call_soon_threadsafe(self._engine_died)
+
+    def _deliver(self, messages: list):
+        """On the event loop: steps' outputs through the FrontEnd, out to the
+        requests' queues."""
+        self.stats = messages[-1].stats
+        states, stopped = self.front.process([o for m in messages for o in m.outputs])
         self._abort(stopped)
         now = time.perf_counter()
         for state in states:
@@ -1778,7 +1788,6 @@ class EngineCoreClient:
         self.process.join(1)
         self.error = f"the engine core process exited (exit code {self.process.exitcode})"
         print(f"error: {self.error}; failing every request in flight", file=sys.stderr)
-        asyncio.get_running_loop().remove_reader(self.outbox.fileno())
         for request_id, queue in self.queues.items():
             state = self.front.states[request_id]
             state.error = self.error
