@@ -1876,10 +1876,10 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
 
 
 def parse_prompts(prompt) -> list:
-    """'prompt' as OpenAI takes it: a string, token ids, or a list of either."""
+    """'prompt' as OpenAI takes it: a string, token ids, or a list of either.
+    Only the shape is read here; FrontEnd.encode checks every id, once."""
     def one(p):
-        return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in p))
+        return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], int))
     if one(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
