@@ -1064,15 +1064,13 @@ class ModelRunner:
         Input tokens that `prev` sampled and the host has not read yet are
         copied from prev's samples in device memory (see EngineCore.step)."""
         input_ids, positions, meta, sample_rows, sample_seqs, pending = self.prepare(batch)
-        if pending:
+        if pending and batch.is_decode and batch.seqs == prev.seqs:
+            input_ids = prev.tokens   # a steady decode, same sequences in the same order: no copy
+        elif pending:
             prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
             rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
-            if rows == src == tuple(range(len(input_ids))) == tuple(range(len(prev.seqs))):
-                # a steady decode (the same sequences in the same order): no copy
-                input_ids = prev.tokens
-            else:
-                input_ids.index_copy_(0, self.to_device(rows, torch.int64),
-                                      prev.tokens[self.to_device(src, torch.int64)])
+            input_ids.index_copy_(0, self.to_device(rows, torch.int64),
+                                  prev.tokens[self.to_device(src, torch.int64)])
         if meta.is_decode and len(batch.seqs) <= max(self.graphs, default=0):
             hidden = self._replay_graph(input_ids, positions, meta)
         else:
@@ -1084,18 +1082,23 @@ class ModelRunner:
         if len(sample_rows) < hidden.shape[0]:   # skip the rows of prefill tokens
             hidden = hidden.index_select(0, self.to_device(sample_rows, torch.int64))
         logits = self.model.compute_logits(hidden)               # (B, V)
-        tokens, logprobs = sample(logits, self.sampling_batch(seqs))
+        sampling = self.sampling_batch(seqs)
+        tokens, logprobs = sample(logits, sampling)
+        # Penalties count a row's tokens on the host, so the step after this
+        # one must wait for its tokens (no edits at all: no row has penalties).
+        wait = sampling.logit_edits is not None and \
+            any(s.params.needs_output_history for s in seqs)
         # Start copying the samples back now: queued after the next step, the
         # copy (and so EngineCore._commit) would wait for that step too.
         to_host = [tokens, *(logprobs or ())]
         if not self.use_cuda:
-            return LaunchedStep(batch, seqs, tokens, to_host, None)
+            return LaunchedStep(batch, seqs, tokens, to_host, None, wait)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in to_host]
         for h, t in zip(host, to_host):
             h.copy_(t, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return LaunchedStep(batch, seqs, tokens, host, copied)
+        return LaunchedStep(batch, seqs, tokens, host, copied, wait)
 
     def compute_prompt_logprobs(self, batch: ScheduledBatch, hidden):  # (N_tok, D)
         """Append to each sequence that asks the entries of the prompt tokens it predicts."""
@@ -1171,11 +1174,7 @@ class LaunchedStep:
     tokens: Optional[torch.Tensor]    # (B,) int64 on the device
     host: list                        # tokens, then sample()'s log-probs, if any, on the host
     copied: Optional[torch.cuda.Event]  # set once `host` is filled (None on CPU)
-
-    @property
-    def needs_host_tokens(self) -> bool:
-        """Penalties count a row's tokens on the host: its next step must wait."""
-        return any(seq.params.needs_output_history for seq in self.seqs)
+    needs_host_tokens: bool = False   # the next step waits for these tokens (penalties)
 
 
 # ---------------------------------------------------------------------------
