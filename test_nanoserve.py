@@ -698,18 +698,25 @@ def nan_like(x):
 # ----------------------------------------------------------------------------
 # store_kvcache
 
+def random_pool(num_blocks, block_size, n_kv, hd, N_tok, pad_row, dtype, device, gen):
+    """A random K/V pool and a distinct slot for each of N_tok new tokens;
+    row pad_row is a padding token of a CUDA-graph batch (slot -1)."""
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:N_tok]
+    slot_mapping[pad_row] = -1
+    shape = (num_blocks, block_size, n_kv, hd)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    return slot_mapping.to(device), k_cache, v_cache
+
+
 @DEVICE_DTYPES
 @pytest.mark.parametrize("n_kv,hd,block_size", [(3, 64, 8), (2, 128, 16)])
 def test_store_kvcache(device, dtype, n_kv, hd, block_size):
     gen = torch.Generator().manual_seed(0)
     N_tok, num_blocks = 9, 4
     _, k, v = fused_qkv_views(N_tok, 2 * n_kv, n_kv, hd, dtype, device, gen)
-    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:N_tok]
-    slot_mapping[3] = -1  # a padding token of a CUDA-graph batch
-    slot_mapping = slot_mapping.to(device)
-    shape = (num_blocks, block_size, n_kv, hd)
-    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    slot_mapping, k_cache, v_cache = random_pool(num_blocks, block_size, n_kv, hd, N_tok, 3,
+                                                 dtype, device, gen)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     pa.store_kvcache_ref(k, v, k_ref, v_ref, slot_mapping)
     k_before = k_cache.clone()
@@ -862,12 +869,8 @@ def test_rope_store_kvcache(device, dtype, n_heads, n_kv, hd):
     positions = torch.randint(0, 100, (N_tok,), generator=gen).to(device)
     freqs = torch.outer(torch.arange(100.0), torch.rand(hd // 2, generator=gen))  # (100, hd/2)
     cos, sin = freqs.cos().to(device), freqs.sin().to(device)
-    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:N_tok]
-    slot_mapping[2] = -1  # a padding token of a CUDA-graph batch
-    slot_mapping = slot_mapping.to(device)
-    shape = (num_blocks, block_size, n_kv, hd)
-    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    slot_mapping, k_cache, v_cache = random_pool(num_blocks, block_size, n_kv, hd, N_tok, 2,
+                                                 dtype, device, gen)
     k_ref, v_ref, q_ref = k_cache.clone(), v_cache.clone(), q.clone()
     # the reference rotation is the model's own (checked against transformers)
     q_model, k_model = ns.apply_rope(positions.cpu(), q.cpu(), k.cpu(), cos.cpu(), sin.cpu())
