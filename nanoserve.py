@@ -95,7 +95,6 @@ def _flag(help: str, **kw):
     """A field that becomes a CLI flag (see add_dataclass_flags)."""
     return field(metadata={"help": help, **kw.pop("meta", {})}, **kw)
 
-
 @dataclass
 class Config:
     # -- engine settings: each one is a CLI flag --
@@ -232,7 +231,6 @@ def weight_name_map(cfg: Config) -> dict[str, tuple[str, slice]]:
         })
     return names
 
-
 @torch.no_grad()
 def load_weights(model: nn.Module, cfg: Config):
     """Copy every checkpoint tensor into its slice; fail on anything missing or extra."""
@@ -262,7 +260,6 @@ def load_weights(model: nn.Module, cfg: Config):
     if missing:
         raise ValueError(f"checkpoint is missing {missing[:3]}{'...' if len(missing) > 3 else ''}")
 
-
 def _progress(msg: str, end: bool = False):
     """One updating status line on stderr (a plain line when not a terminal)."""
     if sys.stderr.isatty():
@@ -285,7 +282,6 @@ def fused_on_cuda(fn):
     compiled = torch.compile(fn, dynamic=True)   # lazy: compiles on the first CUDA call
     return lambda x, *args: compiled(x, *args) if x.is_cuda else fn(x, *args)
 
-
 @fused_on_cuda
 def rms_norm(x, weight, eps: float):                           # (N_tok, D)
     # Normalize in fp32 and cast back before the weight, as transformers
@@ -294,7 +290,6 @@ def rms_norm(x, weight, eps: float):                           # (N_tok, D)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -302,7 +297,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):                                      # (N_tok, D)
         return rms_norm(x, self.weight, self.eps)
-
 
 def rope_inv_freq(cfg: Config) -> torch.Tensor:
     """Rotation frequency of each channel pair, with llama3 scaling if configured."""
@@ -323,7 +317,6 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled).float()        # (hd/2,)
 
-
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their position; cos/sin tables are precomputed."""
 
@@ -337,19 +330,16 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions, q, k):      # (N_tok,), (N_tok, n_heads, hd), (N_tok, n_kv, hd)
         return apply_rope(positions, q, k, self.cos, self.sin)
 
-
 @fused_on_cuda
 def apply_rope(positions, q, k, cos_table, sin_table):
     cos = cos_table[positions].unsqueeze(1)                    # (N_tok, 1, hd/2)
     sin = sin_table[positions].unsqueeze(1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-
 def _rotate(x, cos, sin):
     # The "rotate half" layout of transformers: channel i pairs with i + hd/2.
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
 
 @dataclass
 class AttentionMetadata:
@@ -366,7 +356,6 @@ class AttentionMetadata:
     max_seqlen_q: int                 # longest run of new tokens of one sequence
     is_decode: bool                   # every sequence brings exactly one new token
 
-
 # The attention implementations, with identical signatures: the Triton
 # kernels read the paged cache directly; the CPU path (sdpa) gathers it and
 # calls torch's fused attention once per step's decodes and per prefill chunk;
@@ -378,7 +367,6 @@ ATTENTION_OPS = {
     "torch": (pa.store_kvcache_ref, pa.paged_attention_prefill_ref,
               pa.paged_attention_decode_ref),
 }
-
 
 def linear(x, weight, fused: bool, norm: Optional[RMSNorm] = None, silu_mul: bool = False,
            residual=None):                                     # (N_tok, K) -> (N_tok, N)
@@ -395,7 +383,6 @@ def linear(x, weight, fused: bool, norm: Optional[RMSNorm] = None, silu_mul: boo
     x = silu_and_mul(x) if silu_mul else x
     y = F.linear(x if norm is None else norm(x), weight)
     return y if residual is None else residual + y
-
 
 class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv K/V heads."""
@@ -437,7 +424,6 @@ class Attention(nn.Module):
         return linear(o.reshape(n, self.n_heads * self.hd), self.o_proj.weight, self.fused,
                       residual=residual)                       # (N_tok, D)
 
-
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
 
@@ -452,12 +438,10 @@ class MLP(nn.Module):
         gate_up = linear(x, self.gate_up_proj.weight, self.fused, norm=norm)
         return linear(gate_up, self.down_proj.weight, self.fused, silu_mul=True, residual=residual)
 
-
 @fused_on_cuda
 def silu_and_mul(gate_up):                                     # (N_tok, 2 I)
     gate, up = gate_up.chunk(2, dim=-1)                        # (N_tok, I) each
     return F.silu(gate) * up
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config):
@@ -501,7 +485,6 @@ class Model(nn.Module):
     def compute_logits(self, hidden):                          # (B, D)
         w = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return linear(hidden, w, self.cfg.attention == "triton", norm=self.norm)  # (B, V)
-
 
 def build_model(cfg: Config) -> Model:
     """Allocate the model on its device without a throwaway random init, then load."""
@@ -569,7 +552,6 @@ class SamplingParams:
         if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
 
-
 @dataclass
 class SamplingBatch:
     """The per-row settings of one step, as device tensors, plus host-side flags
@@ -583,14 +565,12 @@ class SamplingBatch:
     max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
     logit_edits: Optional[tuple] = None  # see apply_logit_edits; None: no row has any
 
-
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
     """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token)."""
     (rows, ids), (bias, rep, sub) = edits      # (2, N) int64, (3, N) fp32
     x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
     x = torch.where(x < 0, x * rep, x / rep) - sub   # transformers' repetition rule, then OpenAI's
     return logits.index_put((rows, ids), x)
-
 
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
     """Set every logit outside a row's top-k and top-p set to -inf."""
@@ -607,7 +587,6 @@ def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,
     sorted_logits.masked_fill_(cut, -float("inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
-
 def argmax_rows(logits):                                      # (B, V)
     """argmax over the vocabulary, as a two-level reduction: a lone row is
     too little work for one reduction kernel (one block would walk all V
@@ -620,7 +599,6 @@ def argmax_rows(logits):                                      # (B, V)
     best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
     chunk = best.argmax(dim=-1, keepdim=True)                 # (B, 1)
     return (chunk * (V // 64) + idx.gather(1, chunk)).squeeze(1)
-
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     """Return the sampled token ids (B,) and, if asked, their log-probs."""
@@ -706,7 +684,6 @@ class BlockAllocator:
             self.block_hashes[block] = prefix_hash
             self.cached_blocks[prefix_hash] = block
 
-
 def prefix_hash(parent: Optional[int], token_ids) -> int:
     """Name a full block by its tokens and, through the parent's hash, everything
     before it. Python's tuple hash of ints is deterministic across runs."""
@@ -725,7 +702,6 @@ class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache
@@ -760,7 +736,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
 
-
 @dataclass
 class ScheduledBatch:
     """What one step runs: each sequence with its number of new tokens."""
@@ -770,7 +745,6 @@ class ScheduledBatch:
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.num_new_tokens)
-
 
 class Scheduler:
     def __init__(self, cfg: Config, allocator: BlockAllocator):
@@ -1165,7 +1139,6 @@ class ModelRunner:
         graph.replay()
         return hidden[:n]                                      # (N_tok, D)
 
-
 @dataclass
 class LaunchedStep:
     """A step queued on the device whose sampled tokens are not read back yet."""
@@ -1191,7 +1164,6 @@ class EngineCoreRequest:
     prompt_token_ids: list
     params: SamplingParams
 
-
 @dataclass
 class EngineCoreOutput:
     """What one step produced for one request."""
@@ -1203,13 +1175,11 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0        # prompt tokens served by the prefix cache
     prompt_logprobs: Optional[list] = None  # with the first token, if asked
 
-
 @dataclass
 class EngineCoreOutputs:
     """Everything one step sends back to the front end."""
     outputs: list                     # EngineCoreOutput, one per sequence that sampled
     stats: dict                       # EngineCore.stats() after the step (for /metrics)
-
 
 class EngineCore:
     def __init__(self, cfg: Config):
@@ -1345,7 +1315,6 @@ def load_tokenizer(model_dir: str):
     conf = path / "tokenizer_config.json"
     return tok, (json.loads(conf.read_text()) if conf.is_file() else {})
 
-
 @dataclass
 class Delta:
     """What a request got since the last Delta taken from it: a stream sends
@@ -1356,7 +1325,6 @@ class Delta:
     logprobs: list                    # their (logprob, {token_id: logprob}), if asked
     finish_reason: Optional[str]      # "stop" or "length" on the last one
     prompt_logprobs: Optional[list]   # on the first one, if asked
-
 
 class RequestState:
     """One request as the front end sees it: its tokens so far and their
@@ -1387,7 +1355,6 @@ class RequestState:
                       self.logprobs[n:], self.finish_reason, self.prompt_logprobs if first else None)
         self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
         return delta
-
 
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
@@ -1496,7 +1463,6 @@ class FrontEnd:
                 return True
         return False
 
-
 class LLM:
     """Offline generation in vLLM's shape:
     LLM(model_dir).generate(prompts, SamplingParams(...)) -> [RequestState].
@@ -1552,13 +1518,14 @@ class LLM:
 # process's main thread, so that no per-request Python work (JSON, SSE,
 # detokenizing) competes with the step loop for the GIL. Two pipes join it to
 # the server: EngineCoreRequests and aborts go in, one EngineCoreOutputs per
-# step comes out. Nothing else crosses.
+# step comes out. Nothing else crosses. Both ends are here: the engine core's
+# loop (run_engine_core, in its process) and EngineCoreClient (in the
+# server's), which hands each step's outputs to the waiting HTTP handlers.
 
 @dataclass
 class EngineCoreAbort:
     """Stop these requests (their client left, or a stop string ended them)."""
     request_ids: list
-
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """The engine core process: it owns the scheduler, the block allocator,
@@ -1611,14 +1578,12 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
                 outputs += core.fail_running(e)
         outbox_queue.put(EngineCoreOutputs(outputs, core.stats()))
 
-
 def _drain(inbox, inbox_queue: queue.Queue):
     try:
         while True:
             inbox_queue.put(inbox.recv())
     except (EOFError, OSError):               # the server is gone: tell the loop
         inbox_queue.put(None)
-
 
 def _send_outputs(outbox_queue: queue.Queue, outbox):
     with contextlib.suppress(OSError):        # the server is gone; _drain tells the loop
@@ -1630,22 +1595,7 @@ def _send_outputs(outbox_queue: queue.Queue, outbox):
                                           messages[-1].stats))
 
 
-# ---------------------------------------------------------------------------
-# Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process. Handlers
-# parse a request, tokenize it (in a thread: tokenizers drops the GIL), send
-# it down the pipe through EngineCoreClient, and await its RequestStates,
-# which the client updates from each step's outputs on the same event loop.
-
-class APIError(Exception):
-    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status = status
-        self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-
+# -- the server's end of the pipes: EngineCoreClient, on the event loop --
 
 class Histogram:
     """A Prometheus histogram: a count per bucket (upper bound `le`), a sum and a
@@ -1666,13 +1616,14 @@ class Histogram:
             lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
         return lines + [f"{self.name}_sum {self.sum}", f"{self.name}_count {cumulative}"]
 
-
 class EngineCoreClient:
     """The server's side of the engine core: it starts the process, sends it
     requests and aborts from the event loop, and receives its outputs on a
     thread that passes them to the event loop. There each step's outputs go
     through the FrontEnd, and every request that changed is put on its
-    queue: if the loop falls behind, several steps' tokens arrive at once."""
+    queue: if the loop falls behind, several steps' tokens arrive at once.
+    It knows no HTTP: a failed request ends with finish_reason "error", and
+    `error` says why the engine core is gone, if it is."""
 
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
@@ -1712,22 +1663,21 @@ class EngineCoreClient:
 
     async def generate(self, requests: list):
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each;
-        yield a choice's RequestState whenever it changes. However the caller
-        stops (done, client gone, error), the `finally` aborts what still runs,
-        so its KV blocks are freed at the next step, not after max_tokens."""
+        yield a choice's RequestState whenever it changes, until each has a
+        finish_reason. However the caller stops (done, client gone, error),
+        the `finally` aborts what still runs, so its KV blocks are freed at
+        the next step, not after max_tokens."""
         changed = asyncio.Queue()
         requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
         self.queues.update((request_id, changed) for request_id in unfinished)
         try:
-            if self.error:
-                raise APIError(503, self.error, "internal_error")
+            if self.error:                          # died since the handler checked
+                self._fail_all()
             with contextlib.suppress(OSError):      # a dead process: _receive says so
                 self.inbox.send(requests)
             while unfinished:
                 state = await changed.get()
-                if state.error:
-                    raise APIError(500, state.error, "internal_error")
                 if state.request_id in unfinished:  # else a late repeat of a finished one
                     if state.finish_reason is not None:
                         unfinished.discard(state.request_id)
@@ -1787,12 +1737,31 @@ class EngineCoreClient:
         self.process.join(1)
         self.error = f"the engine core process exited (exit code {self.process.exitcode})"
         print(f"error: {self.error}; failing every request in flight", file=sys.stderr)
-        for request_id, queue in self.queues.items():
-            state = self.front.states[request_id]
-            state.error = self.error
-            queue.put_nowait(state)
-        self.front.states.clear(), self.queues.clear()
+        self._fail_all()
 
+    def _fail_all(self):
+        for request_id, queue in self.queues.items():
+            state = self.front.states.pop(request_id)
+            state.finish_reason, state.error = "error", self.error
+            queue.put_nowait(state)
+        self.queues.clear()
+
+
+# ---------------------------------------------------------------------------
+# Server
+# An OpenAI-compatible HTTP API on Starlette, in the server process. Handlers
+# parse a request, tokenize it (in a thread: tokenizers drops the GIL), send
+# it down the pipe through EngineCoreClient, and await its RequestStates,
+# which the client updates from each step's outputs on the same event loop.
+
+class APIError(Exception):
+    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 # -- request parsing: one table of the fields each endpoint takes, each field
 # type-checked the same way; every check raises an APIError that names it --
@@ -1809,7 +1778,6 @@ CHAT_FIELDS = dict(_COMMON_FIELDS, messages=list, logprobs=bool, top_logprobs=in
                    tool_choice=object, parallel_tool_calls=bool)
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
                dict: "an object", list: "an array"}
-
 
 def parse_fields(body: dict, spec: dict) -> dict:
     """The body's fields, checked against spec; a JSON null counts as absent.
@@ -1836,7 +1804,6 @@ def parse_fields(body: dict, spec: dict) -> dict:
     _refuse_unsupported(fields)
     return {k: v for k, v in fields.items() if v is not None}
 
-
 def _refuse_unsupported(f: dict):
     """Fields the API defines but nanoserve does not implement yet: a 400, so
     that a client asking for JSON or tool calls fails loudly."""
@@ -1851,7 +1818,6 @@ def _refuse_unsupported(f: dict):
     for name, is_refused, message in refused:
         if is_refused:
             raise APIError(400, message, param=name)
-
 
 def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                           prompt_logprobs: Optional[int] = None) -> list:
@@ -1873,7 +1839,6 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
     return [SamplingParams(**shared, seed=None if seed is None else (seed + i) % 2**64)
             for i in range(n)]
 
-
 def parse_prompts(prompt) -> list:
     """'prompt' as OpenAI takes it: a string, token ids, or a list of either.
     Only the shape is read here; FrontEnd.encode checks every id, once."""
@@ -1885,7 +1850,6 @@ def parse_prompts(prompt) -> list:
         return prompt
     raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list "
                         "of either", param="prompt")
-
 
 def parse_messages(messages) -> list:
     """Chat messages for the template. Content may be a string, a list of
@@ -1912,14 +1876,11 @@ def parse_messages(messages) -> list:
         parsed.append({**m, "content": content or ""})
     return parsed
 
-
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
-
 def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
-
 
 class ChatTemplate:
     """The model's own chat template (tokenizer_config.json), rendered the way
@@ -1946,36 +1907,29 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
 
-
-# -- response shapes: one class per endpoint, with the same methods --
-
-def _usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
-
+# -- response shapes: a stream sends a chunk per Delta; a non-streamed
+# response is those same chunks folded into one body --
 
 class _Shape:
-    """What both endpoints share: ids, envelopes and top log-probs. The engine's
-    log-probs are of the model's own distribution (before temperature and
-    top-p), as OpenAI reports them; JSON has no -inf, so they are clamped."""
+    """One response being built, whatever its endpoint: ids, envelopes, the
+    chunks, and top log-probs. The engine's log-probs are of the model's own
+    distribution (before temperature and top-p), as OpenAI reports them; JSON
+    has no -inf, so they are clamped."""
     id_prefix = object = chunk_object = ""
 
-    def __init__(self, server: "OpenAIServer", num_top_logprobs: Optional[int]):
+    def __init__(self, server: "OpenAIServer", num_prompt_tokens: int,
+                 num_top_logprobs: Optional[int]):
         self.server, self.num_top_logprobs = server, num_top_logprobs
         self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
+        self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
 
     def opening(self, i: int) -> list:
         """The chunks a stream opens choice i with."""
         return []
 
-    def envelope(self, object: str, choices: list, usage: Optional[dict] = None) -> dict:
-        body = {"id": self.id, "object": object, "created": self.created,
-                "model": self.server.model_name, "choices": choices}
-        return body if usage is None else {**body, "usage": usage}
-
     def has_news(self, d: Delta) -> bool:
-        """Whether a stream sends a chunk for d (a token whose text is held
-        back still carries its log-probs)."""
+        """Whether d is worth a chunk (a token whose text is held back still
+        carries its log-probs)."""
         return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
 
     def token_logprobs(self, token_ids: list, logprobs: list):
@@ -1985,6 +1939,74 @@ class _Shape:
             top = list(top.items())[:self.num_top_logprobs]     # sorted, likeliest first
             yield text(token), max(logprob, -9999.0), [(text(t), max(lp, -9999.0)) for t, lp in top]
 
+    def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
+        body = {"id": self.id, "object": object, "created": self.created,
+                "model": self.server.model_name, "choices": choices}
+        n, m = self.num_prompt_tokens, self.num_completion_tokens
+        return {**body, "usage": {"prompt_tokens": n, "completion_tokens": m,
+                                  "total_tokens": n + m}} if usage else body
+
+    async def chunks(self, states, n: int):
+        """The choice of every chunk, from client.generate's RequestStates: one
+        per Delta with news, then one that carries the finish_reason."""
+        async with aclosing(states):
+            for i in range(n):
+                for choice in self.opening(i):
+                    yield choice
+            async for state in states:
+                d = state.take_delta()
+                if d.finish_reason == "error":
+                    raise APIError(500, state.error, "internal_error")
+                self.num_completion_tokens += len(d.token_ids)
+                if self.has_news(d):
+                    yield self.choice(dataclasses.replace(d, finish_reason=None))
+                if d.finish_reason is not None:
+                    yield self.choice(Delta(d.index, "", [], [], d.finish_reason, None))
+
+    async def stream(self, chunks, include_usage: bool):
+        """Server-sent events, OpenAI's stream framing: `data: {json}` per chunk,
+        then `data: [DONE]`. An error after the first byte is an event too: the
+        status line is gone."""
+        def sse(body: dict) -> str:
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        async with aclosing(chunks):
+            try:
+                async for choice in chunks:
+                    yield sse(self.envelope(self.chunk_object, [choice]))
+                if include_usage:
+                    yield sse(self.envelope(self.chunk_object, [], usage=True))
+            except APIError as e:
+                yield sse(e.body)
+            except Exception as e:
+                traceback.print_exc()
+                yield sse(APIError(500, f"internal error: {e!r}", "internal_error").body)
+        yield "data: [DONE]\n\n"
+
+    async def collect(self, chunks) -> dict:
+        """A non-streamed response: each choice's chunks joined (_fold), and a
+        stream's "delta" is then the whole "message"."""
+        choices = {}
+        async with aclosing(chunks):
+            async for choice in chunks:
+                _fold(choices.setdefault(choice["index"], {}), choice)
+        for c in choices.values():
+            if "delta" in c:
+                c["message"] = c.pop("delta")
+        return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
+
+
+def _fold(whole: dict, chunk: dict):
+    """Join a chunk into the whole, key by key: strings and lists are
+    concatenated, objects folded alike, and a value replaces only null."""
+    for key, value in chunk.items():
+        old = whole.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            _fold(old, value)
+        elif isinstance(value, (str, list)) and old is not None:
+            whole[key] = old + value
+        elif value is not None or key not in whole:
+            whole[key] = value
+
 
 class _CompletionShape(_Shape):
     """The legacy completions shape. `echo` puts each prompt in front of its
@@ -1992,16 +2014,18 @@ class _CompletionShape(_Shape):
     (null for the first token, which nothing predicts)."""
     id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, server, num_top_logprobs, echoes: list, n: int):
-        super().__init__(server, num_top_logprobs)
-        self.echoes, self.n = echoes, n       # per prompt: (text, token ids), or None
-        self.offsets = {}                     # choice -> text_offset of its next token
+    def __init__(self, server, prompts: list, prompt_ids: list, num_top_logprobs, echo: bool,
+                 n: int):
+        super().__init__(server, sum(map(len, prompt_ids)), num_top_logprobs)
+        self.echoes = [(p if isinstance(p, str) else server.front.decode(ids), ids) if echo
+                       else None for p, ids in zip(prompts, prompt_ids)]  # (text, ids) or None
+        self.n, self.offsets = n, {}          # choice -> text_offset of its next token
 
     def has_news(self, d: Delta) -> bool:
         return super().has_news(d) or (self.echoes[d.index // self.n] is not None
                                        and d.index not in self.offsets)
 
-    def choice(self, d: Delta, final: bool = False) -> dict:
+    def choice(self, d: Delta) -> dict:
         echo = self.echoes[d.index // self.n] if d.index not in self.offsets else None
         self.offsets.setdefault(d.index, 0)
         return {"index": d.index, "text": echo[0] + d.text if echo else d.text,
@@ -2034,10 +2058,8 @@ class _ChatShape(_Shape):
         return [{"index": i, "delta": {"role": "assistant", "content": ""},
                  "logprobs": None, "finish_reason": None}]
 
-    def choice(self, d: Delta, final: bool = False) -> dict:
-        message = {"role": "assistant", "content": d.text} if final \
-            else {"content": d.text} if d.token_ids else {}
-        return {"index": d.index, "message" if final else "delta": message,
+    def choice(self, d: Delta) -> dict:
+        return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
                 "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
 
     def logprobs(self, d: Delta) -> Optional[dict]:
@@ -2047,11 +2069,6 @@ class _ChatShape(_Shape):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
                             for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
-
-
-def _sse(body: dict) -> str:
-    """One server-sent event, the framing of OpenAI's streams."""
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 class _EventStream(StreamingResponse):
@@ -2070,7 +2087,6 @@ class _EventStream(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
 
-
 async def _unless_disconnected(request: Request, work):
     """Await `work`, but cancel it if the client hangs up first (None then).
     uvicorn does not cancel a handler whose client has left, so without this a
@@ -2088,7 +2104,6 @@ async def _unless_disconnected(request: Request, work):
         # cancellation: wait for that before asking it for a result
         await asyncio.wait([task, watch])
     return None if task.cancelled() else task.result()
-
 
 # -- the app --
 
@@ -2166,9 +2181,7 @@ class OpenAIServer:
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
                                        num_top if echo and num_top is not None else None)
         prompt_ids = [await self._encode(p) for p in prompts]
-        echoes = [(p if isinstance(p, str) else self.front.decode(ids), ids) if echo else None
-                  for p, ids in zip(prompts, prompt_ids)]
-        shape = _CompletionShape(self, num_top, echoes, len(params))
+        shape = _CompletionShape(self, prompts, prompt_ids, num_top, echo, len(params))
         return await self._respond(request, f, shape, prompt_ids, params)
 
     async def chat(self, request: Request) -> Response:
@@ -2180,7 +2193,8 @@ class OpenAIServer:
         num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top)
-        return await self._respond(request, f, _ChatShape(self, num_top), [prompt_ids], params)
+        shape = _ChatShape(self, len(prompt_ids), num_top)
+        return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
         """The JSON body, refused before it is read whole if it is too large."""
@@ -2232,53 +2246,15 @@ class OpenAIServer:
     async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
                        params: list) -> Response:
         self._validate(f, prompt_ids, params)
+        if self.client.error:
+            raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        num_prompt_tokens = sum(map(len, prompt_ids))
-        states = self.client.generate(choices)
+        chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return _EventStream(self._stream(shape, states, len(choices), num_prompt_tokens,
-                                             include_usage))
-        result = await _unless_disconnected(
-            request, self._collect(shape, states, len(choices), num_prompt_tokens))
-        return Response(status_code=499) if result is None else JSONResponse(result)
-
-    async def _collect(self, shape: _Shape, states, n: int, num_prompt_tokens: int) -> dict:
-        """A non-streamed response: one Delta per choice, taken at the end."""
-        finished = {}
-        async with aclosing(states):
-            async for state in states:
-                finished[state.index] = state
-        choices = [finished[i].take_delta() for i in range(n)]
-        usage = _usage(num_prompt_tokens, sum(len(d.token_ids) for d in choices))
-        return shape.envelope(shape.object, [shape.choice(d, final=True) for d in choices], usage)
-
-    async def _stream(self, shape: _Shape, states, n: int, num_prompt_tokens: int,
-                      include_usage: bool):
-        """A stream: a chunk per Delta with news, then one with the finish_reason."""
-        def chunk(choices, usage=None):
-            return _sse(shape.envelope(shape.chunk_object, choices, usage))
-        num_completion_tokens = 0
-        async with aclosing(states):
-            try:
-                for i in range(n):
-                    for choice in shape.opening(i):
-                        yield chunk([choice])
-                async for state in states:
-                    d = state.take_delta()
-                    num_completion_tokens += len(d.token_ids)
-                    if shape.has_news(d):
-                        yield chunk([shape.choice(dataclasses.replace(d, finish_reason=None))])
-                    if d.finish_reason is not None:
-                        yield chunk([shape.choice(Delta(d.index, "", [], [], d.finish_reason, None))])
-                if include_usage:
-                    yield chunk([], _usage(num_prompt_tokens, num_completion_tokens))
-            except APIError as e:     # the status line is gone: the error is an event
-                yield _sse(e.body)
-            except Exception as e:
-                traceback.print_exc()
-                yield _sse(APIError(500, f"internal error: {e!r}", "internal_error").body)
-        yield "data: [DONE]\n\n"
+            return _EventStream(shape.stream(chunks, include_usage))
+        body = await _unless_disconnected(request, shape.collect(chunks))
+        return Response(status_code=499) if body is None else JSONResponse(body)
 
 
 async def _error_response(request: Request, e: Exception) -> Response:
@@ -2293,7 +2269,6 @@ async def _error_response(request: Request, e: Exception) -> Response:
     headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None
     return JSONResponse(e.body, status_code=e.status, headers=headers)
 
-
 def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
     """The app over a running engine core. With cfg.api_key set, /v1/* needs it."""
     server = OpenAIServer(client, cfg)
@@ -2305,7 +2280,6 @@ def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
 
     return Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={
         kind: _error_response for kind in (APIError, HTTPException, Exception)})
-
 
 def serve(cfg: Config):
     # Bind first: a port in use is one clear error, before the model loads.
@@ -2329,7 +2303,6 @@ def serve(cfg: Config):
 _FLAG_TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int,
                "Optional[str]": str, "Optional[list]": str}
 
-
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
     for f in dataclasses.fields(cls):
         if not f.init or "help" not in f.metadata or f.name in skip:
@@ -2344,11 +2317,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
             parser.add_argument(name, dest=f.name, type=_FLAG_TYPES[f.type], default=f.default,
                                 help=f.metadata["help"])
 
-
 def from_flags(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                   if f.init and hasattr(args, f.name)})
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve.py", description=__doc__.split("\n")[0])
@@ -2362,7 +2333,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(srv, Config)
     return parser
 
-
 def run_generate(cfg: Config, prompt: str, params: SamplingParams):
     llm = LLM(cfg)
     state = llm.add(llm.front.encode(prompt), params, incremental=True)
@@ -2370,13 +2340,11 @@ def run_generate(cfg: Config, prompt: str, params: SamplingParams):
         print(state.take_delta().text, end="", flush=True)
     print()
 
-
 def ensure_default_model(model: str):
     """The default model is made on first use (download.py converts it)."""
     if model == DEFAULT_MODEL and not Path(model, "config.json").is_file():
         import download
         download.download()
-
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
@@ -2391,7 +2359,6 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-
 
 if __name__ == "__main__":
     main()
