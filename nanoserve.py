@@ -32,25 +32,8 @@ turns them into text for the HTTP stream.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import bisect
-import contextlib
-import dataclasses
-import faulthandler
-import hmac
-import json
-import math
-import multiprocessing
-import os
-import queue
-import signal
-import socket
-import sys
-import threading
-import time
-import traceback
-import uuid
+import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, hmac, json, math
+import multiprocessing, os, queue, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -91,44 +74,35 @@ DEFAULT_MODEL = str(REPO_DIR / "weights" / "SmolLM2-135M-Instruct")
 # (and become CLI flags); the architecture fields are read from the model's
 # config.json in __post_init__, so a Config is always complete and checked.
 
-def _flag(help: str, **kw):
+def _flag(default, help: str, flag: Optional[str] = None):
     """A field that becomes a CLI flag (see add_dataclass_flags)."""
-    return field(metadata={"help": help, **kw.pop("meta", {})}, **kw)
+    return field(default=default, metadata={"help": help, "flag": flag})
 
 @dataclass
 class Config:
     # -- engine settings: each one is a CLI flag --
-    model: str = _flag("model folder with config.json, *.safetensors, tokenizer.json",
-                       default=DEFAULT_MODEL)
-    device: str = _flag("cuda or cpu (auto: cuda when there is one)", default="auto")
-    dtype: str = _flag("float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)",
-                       default="auto")
-    attention: str = _flag("paged-attention implementation: triton, sdpa or torch "
-                           "(auto: triton on cuda, sdpa on cpu)", default="auto")
-    block_size: int = _flag("tokens per KV-cache block (a power of two)", default=16)
-    num_blocks: int = _flag("KV blocks in the pool (0: sized from memory)", default=0)
-    gpu_memory_utilization: float = _flag(
-        "fraction of GPU memory the engine may use (weights + KV pool)", default=0.90)
-    cpu_kv_cache_gb: float = _flag("KV pool size in GB on cpu", default=1.0)
-    max_num_seqs: int = _flag("most sequences in one step", default=256)
-    max_num_batched_tokens: int = _flag("token budget of one step (prefill chunks + decodes)",
-                                        default=8192)
-    max_model_len: int = _flag("longest prompt + completion (0: the model's limit)",
-                               default=0)
-    enable_prefix_caching: bool = _flag("turn off prefix caching (the reuse of the KV blocks "
-                                        "of prompts seen before)", default=True,
-                                        meta={"flag": "--no-prefix-caching"})
-    enforce_eager: bool = _flag("no CUDA graphs (they are only used on cuda)", default=False)
-    num_threads: int = _flag("torch threads of the engine on cpu (0: one per core it may use)",
-                             default=0)
+    model: str = _flag(DEFAULT_MODEL, "model folder: config.json, *.safetensors, tokenizer.json")
+    device: str = _flag("auto", "cuda or cpu (auto: cuda when there is one)")
+    dtype: str = _flag("auto", "float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)")
+    attention: str = _flag("auto", "paged-attention implementation: triton, sdpa or torch "
+                                   "(auto: triton on cuda, sdpa on cpu)")
+    block_size: int = _flag(16, "tokens per KV-cache block (a power of two)")
+    num_blocks: int = _flag(0, "KV blocks in the pool (0: sized from memory)")
+    gpu_memory_utilization: float = _flag(0.90, "fraction of GPU memory for weights + KV pool")
+    cpu_kv_cache_gb: float = _flag(1.0, "KV pool size in GB on cpu")
+    max_num_seqs: int = _flag(256, "most sequences in one step")
+    max_num_batched_tokens: int = _flag(8192, "token budget of one step (prefill chunks + decodes)")
+    max_model_len: int = _flag(0, "longest prompt + completion (0: the model's limit)")
+    enable_prefix_caching: bool = _flag(True, "turn off prefix caching (the reuse of the KV "
+                                              "blocks of prompts seen before)", "--no-prefix-caching")
+    enforce_eager: bool = _flag(False, "no CUDA graphs (they are only used on cuda)")
+    num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     # -- server settings --
-    host: str = _flag("address the server binds to", default="127.0.0.1")
-    port: int = _flag("port the server listens on", default=8000)
-    api_key: Optional[str] = _flag("require 'Authorization: Bearer KEY' "
-                                   "(default: $NANOSERVE_API_KEY)", default=None)
-    max_request_bytes: int = _flag("largest request body the server reads (413 beyond)",
-                                   default=16 * 2**20)
-
+    host: str = _flag("127.0.0.1", "address the server binds to")
+    port: int = _flag(8000, "port the server listens on")
+    api_key: Optional[str] = _flag(None, "require 'Authorization: Bearer KEY' "
+                                         "(default: $NANOSERVE_API_KEY)")
+    max_request_bytes: int = _flag(16 * 2**20, "largest request body the server reads (413 beyond)")
     # -- architecture, read from config.json (never flags) --
     vocab_size: int = field(init=False, default=0)
     hidden_size: int = field(init=False, default=0)            # D
@@ -504,16 +478,14 @@ def build_model(cfg: Config) -> Model:
 
 @dataclass
 class SamplingParams:
-    temperature: float = _flag("0 is greedy; higher is more random", default=1.0)
-    top_p: float = _flag("sample from the smallest top set with this much mass", default=1.0)
-    top_k: int = _flag("sample from the k likeliest tokens (-1: all)", default=-1)
-    max_tokens: int = _flag("most tokens to generate", default=16)
-    stop: Optional[list] = _flag("a string that ends the text, not included (repeatable)",
-                                 default=None)
+    temperature: float = _flag(1.0, "0 is greedy; higher is more random")
+    top_p: float = _flag(1.0, "sample from the smallest top set with this much mass")
+    top_k: int = _flag(-1, "sample from the k likeliest tokens (-1: all)")
+    max_tokens: int = _flag(16, "most tokens to generate")
+    stop: Optional[list] = _flag(None, "a string that ends the text, not included (repeatable)")
     stop_token_ids: Optional[list] = None  # token ids that end the sequence
-    ignore_eos: bool = _flag("keep generating past the end-of-sequence token", default=False)
-    seed: Optional[int] = _flag("same seed, same text, whatever else is in the batch",
-                                default=None)
+    ignore_eos: bool = _flag(False, "keep generating past the end-of-sequence token")
+    seed: Optional[int] = _flag(None, "same seed, same text, whatever else is in the batch")
     logprobs: Optional[int] = None    # also return this many top log-probs per token
     prompt_logprobs: Optional[int] = None  # log-prob of each prompt token, + this many top
     logit_bias: dict = field(default_factory=dict)  # token id -> bias in [-100, 100]
@@ -1356,12 +1328,41 @@ class RequestState:
         self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
         return delta
 
+def _raise_template_error(message: str):
+    raise jinja2.TemplateError(message)
+
+class ChatTemplate:
+    """The model's own chat template (tokenizer_config.json), rendered the way
+    transformers renders it. The template is code shipped with the checkpoint,
+    so it runs in jinja2's sandbox; blocks are trimmed, and the helpers that
+    templates call (raise_exception, strftime_now) exist."""
+
+    def __init__(self, tokenizer_config: dict):
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals.update(raise_exception=_raise_template_error, strftime_now=time.strftime)
+        source = tokenizer_config.get("chat_template")
+        self.template = env.from_string(source) if source else None
+        # older configs write a special token as {"content": "<s>", ...}
+        tokens = {name: tokenizer_config.get(name) or "" for name in ("bos_token", "eos_token")}
+        self.special_tokens = {k: t["content"] if isinstance(t, dict) else t for k, t in tokens.items()}
+
+    def render(self, messages: list) -> str:
+        if self.template is None:
+            raise ValueError("this model has no chat template: use /v1/completions")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template rejected the messages: {e}")
+
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
 
     def __init__(self, cfg: Config, num_blocks: int):
         self.cfg, self.num_blocks = cfg, num_blocks
-        self.tokenizer, self.tokenizer_config = load_tokenizer(cfg.model)
+        self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
+        self.chat_template = ChatTemplate(tokenizer_config)
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
 
     # -- requests in --
@@ -1776,8 +1777,20 @@ COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=object, echo=bool, logprobs=int,
 CHAT_FIELDS = dict(_COMMON_FIELDS, messages=list, logprobs=bool, top_logprobs=int,
                    max_completion_tokens=int, response_format=dict, tools=list,
                    tool_choice=object, parallel_tool_calls=bool)
+# Fields the API defines but nanoserve does not implement yet: a 400, so that
+# a client asking for JSON or tool calls fails loudly instead of quietly.
+_REFUSED = {
+    "response_format": (lambda v, f: v.get("type", "text") != "text",
+                        "structured output is not supported yet"),
+    "tools": (lambda v, f: bool(v), "tool calling is not supported yet"),
+    "tool_choice": (lambda v, f: v != "none", "tool calling is not supported yet"),
+    "suffix": (lambda v, f: bool(v), "'suffix' (insertion) is not supported"),
+    "best_of": (lambda v, f: v != f.get("n", 1), "'best_of' other than 'n' is not supported")}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
                dict: "an object", list: "an array"}
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "ignore_eos", "logit_bias",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def parse_fields(body: dict, spec: dict) -> dict:
     """The body's fields, checked against spec; a JSON null counts as absent.
@@ -1801,23 +1814,11 @@ def parse_fields(body: dict, spec: dict) -> dict:
             fields[name] = float(value) if abs(value) <= sys.float_info.max else math.inf
             if not math.isfinite(fields[name]):
                 raise APIError(400, f"'{name}' must be a finite number", param=name)
-    _refuse_unsupported(fields)
-    return {k: v for k, v in fields.items() if v is not None}
-
-def _refuse_unsupported(f: dict):
-    """Fields the API defines but nanoserve does not implement yet: a 400, so
-    that a client asking for JSON or tool calls fails loudly."""
-    refused = [("response_format", (f.get("response_format") or {}).get("type", "text") != "text",
-                "structured output is not supported yet"),
-               ("tools", bool(f.get("tools")), "tool calling is not supported yet"),
-               ("tool_choice", f.get("tool_choice") not in (None, "none"),
-                "tool calling is not supported yet"),
-               ("suffix", bool(f.get("suffix")), "'suffix' (insertion) is not supported"),
-               ("best_of", f.get("best_of") not in (None, f.get("n", 1)),
-                "'best_of' other than 'n' is not supported")]
-    for name, is_refused, message in refused:
-        if is_refused:
+    fields = {k: v for k, v in fields.items() if v is not None}
+    for name, (is_refused, message) in _REFUSED.items():
+        if name in fields and is_refused(fields[name], fields):
             raise APIError(400, message, param=name)
+    return fields
 
 def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                           prompt_logprobs: Optional[int] = None) -> list:
@@ -1829,15 +1830,11 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-    shared = dict(temperature=f.get("temperature", 1.0), top_p=f.get("top_p", 1.0),
-                  top_k=f.get("top_k", -1), max_tokens=max_tokens, stop=stop,
-                  ignore_eos=f.get("ignore_eos", False), logprobs=logprobs,
-                  prompt_logprobs=prompt_logprobs, logit_bias=f.get("logit_bias", {}),
-                  presence_penalty=f.get("presence_penalty", 0.0),
-                  frequency_penalty=f.get("frequency_penalty", 0.0),
-                  repetition_penalty=f.get("repetition_penalty", 1.0))
-    return [SamplingParams(**shared, seed=None if seed is None else (seed + i) % 2**64)
-            for i in range(n)]
+    # the API's sampling fields carry SamplingParams' names and defaults
+    shared = {k: v for k, v in f.items() if k in _SAMPLING_FIELDS}
+    return [SamplingParams(**shared, max_tokens=max_tokens, stop=stop, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs,
+                           seed=None if seed is None else (seed + i) % 2**64) for i in range(n)]
 
 def parse_prompts(prompt) -> list:
     """'prompt' as OpenAI takes it: a string, token ids, or a list of either.
@@ -1875,37 +1872,6 @@ def parse_messages(messages) -> list:
                                 "parts (null only for the assistant)", param="messages")
         parsed.append({**m, "content": content or ""})
     return parsed
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
-
-def _raise_template_error(message: str):
-    raise jinja2.TemplateError(message)
-
-class ChatTemplate:
-    """The model's own chat template (tokenizer_config.json), rendered the way
-    transformers renders it. The template is code shipped with the checkpoint,
-    so it runs in jinja2's sandbox; blocks are trimmed, and the helpers that
-    templates call (raise_exception, strftime_now) exist."""
-
-    def __init__(self, tokenizer_config: dict):
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals.update(raise_exception=_raise_template_error, strftime_now=time.strftime)
-        source = tokenizer_config.get("chat_template")
-        self.template = env.from_string(source) if source else None
-        # older configs write a special token as {"content": "<s>", ...}
-        tokens = {name: tokenizer_config.get(name) or "" for name in ("bos_token", "eos_token")}
-        self.special_tokens = {k: t["content"] if isinstance(t, dict) else t for k, t in tokens.items()}
-
-    def render(self, messages: list) -> str:
-        if self.template is None:
-            raise APIError(400, "this model has no chat template: use /v1/completions")
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=True,
-                                        **self.special_tokens)
-        except jinja2.TemplateError as e:
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
 
 # -- response shapes: a stream sends a chunk per Delta; a non-streamed
 # response is those same chunks folded into one body --
@@ -1960,8 +1926,8 @@ class _Shape:
                 self.num_completion_tokens += len(d.token_ids)
                 if self.has_news(d):
                     yield self.choice(dataclasses.replace(d, finish_reason=None))
-                if d.finish_reason is not None:
-                    yield self.choice(Delta(d.index, "", [], [], d.finish_reason, None))
+                if d.finish_reason is not None:   # (an echo not sent yet goes with it)
+                    yield self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
 
     async def stream(self, chunks, include_usage: bool):
         """Server-sent events, OpenAI's stream framing: `data: {json}` per chunk,
@@ -2020,10 +1986,6 @@ class _CompletionShape(_Shape):
         self.echoes = [(p if isinstance(p, str) else server.front.decode(ids), ids) if echo
                        else None for p, ids in zip(prompts, prompt_ids)]  # (text, ids) or None
         self.n, self.offsets = n, {}          # choice -> text_offset of its next token
-
-    def has_news(self, d: Delta) -> bool:
-        return super().has_news(d) or (self.echoes[d.index // self.n] is not None
-                                       and d.index not in self.offsets)
 
     def choice(self, d: Delta) -> dict:
         echo = self.echoes[d.index // self.n] if d.index not in self.offsets else None
@@ -2107,6 +2069,9 @@ async def _unless_disconnected(request: Request, work):
 
 # -- the app --
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
 class OpenAIServer:
     """The routes over one EngineCoreClient. Handlers run on the event loop:
     they parse, check and tokenize a request, then await client.generate."""
@@ -2114,7 +2079,6 @@ class OpenAIServer:
     def __init__(self, client: EngineCoreClient, cfg: Config):
         self.client, self.front, self.cfg = client, client.front, cfg
         self.model_name = Path(cfg.model).name
-        self.chat_template = ChatTemplate(self.front.tokenizer_config)
         self.created = int(time.time())
 
     def routes(self) -> list:
@@ -2186,7 +2150,10 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         f = parse_fields(await self._read(request), CHAT_FIELDS)
-        text = self.chat_template.render(parse_messages(f.get("messages")))
+        try:
+            text = self.front.chat_template.render(parse_messages(f.get("messages")))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages")
         # the template has written the special tokens: encode must not add its own
         prompt_ids = await self._encode(text, add_special_tokens=False)
         room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
@@ -2307,7 +2274,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
     for f in dataclasses.fields(cls):
         if not f.init or "help" not in f.metadata or f.name in skip:
             continue
-        name = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         if f.type == "bool":
             action = "store_false" if f.default else "store_true"
             parser.add_argument(name, dest=f.name, action=action, help=f.metadata["help"])
