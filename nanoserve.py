@@ -172,9 +172,7 @@ class Config:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+    torch_dtype = property(lambda self: getattr(torch, self.dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -497,9 +495,8 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
-    @property
-    def needs_output_history(self) -> bool:       # a penalty reads the tokens so far
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
+    needs_output_history = property(lambda self: bool(   # a penalty reads the tokens so far
+        self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1))
 
     def validate(self, vocab_size: float = math.inf):       # the first word names the field
         least = 0 if self.prompt_logprobs is not None else 1   # 0: score the prompt only
@@ -617,9 +614,7 @@ class BlockAllocator:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached; LRU first
         self.cached_blocks: dict[int, int] = {}          # prefix hash -> block id
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_block_ids) + len(self.evictable)
+    num_free_blocks = property(lambda self: len(self.free_block_ids) + len(self.evictable))
 
     def allocate(self) -> int:
         if self.free_block_ids:
@@ -696,17 +691,9 @@ class Sequence:
         self.generator = None            # per-request RNG when params.seed is set
         self.prompt_logprobs: list = []  # (logprob, {token: logprob}) of prompt tokens 1, 2, ...
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == Status.FINISHED
+    num_tokens = property(lambda self: len(self.token_ids))
+    num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
+    is_finished = property(lambda self: self.status == Status.FINISHED)
 
 @dataclass
 class ScheduledBatch:
@@ -714,9 +701,7 @@ class ScheduledBatch:
     seqs: list
     num_new_tokens: list
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
+    is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
 
 class Scheduler:
     def __init__(self, cfg: Config, allocator: BlockAllocator):
@@ -725,12 +710,6 @@ class Scheduler:
         self.running: list[Sequence] = []      # in admission order
         self.num_preemptions = 0
         self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
-
-    def add(self, seq: Sequence):
-        self.waiting.append(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
@@ -848,7 +827,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self._free_blocks(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
-        seq.finish_time = time.perf_counter()
 
 
 # ---------------------------------------------------------------------------
@@ -1169,7 +1147,7 @@ class EngineCore:
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
         self.seqs[seq.request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.waiting.append(seq)
 
     def abort_request(self, request_id: str):
         """Stop a request now; its blocks go back to the pool."""
@@ -1178,7 +1156,7 @@ class EngineCore:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     # -- one step --
 
