@@ -843,8 +843,8 @@ class ModelRunner:
             # One thread per core the engine may use: torch counts physical cores,
             # not the CPUs a container or taskset grants, and extra threads only
             # contend. Set here, where the step loop runs, not in the server.
-            cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                    else os.cpu_count())                       # macOS: no affinity mask
+            # (macOS has no affinity mask.)
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
             torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
@@ -904,10 +904,8 @@ class ModelRunner:
     # -- inputs --
 
     def to_device(self, data, dtype) -> torch.Tensor:
-        t = torch.as_tensor(np.asarray(data), dtype=dtype)
-        if not self.use_cuda:
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)  # no wait on the copy
+        t = torch.as_tensor(np.asarray(data), dtype=dtype)     # pinned: the copy does not wait
+        return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
 
     def prepare(self, batch: ScheduledBatch):
         """Flatten the batch: token ids, positions and attention metadata, plus
@@ -945,20 +943,17 @@ class ModelRunner:
                 meta, sample_rows, sample_seqs, pending)
 
     def sampling_batch(self, seqs: list) -> SamplingBatch:
-        params = [s.params for s in seqs]
+        params, V = [s.params for s in seqs], self.cfg.vocab_size
         all_greedy = all(p.temperature == 0 for p in params)
-        V, to_dev = self.cfg.vocab_size, self.to_device
-        return SamplingBatch(   # an all-greedy batch needs no per-row tensors
-            temperatures=None if all_greedy else to_dev([p.temperature for p in params],
-                                                        torch.float32),
-            top_ks=None if all_greedy else to_dev([p.top_k if p.top_k > 0 else V
-                                                   for p in params], torch.int64),
-            top_ps=None if all_greedy else to_dev([p.top_p for p in params], torch.float32),
+        def per_row(values, dtype):            # an all-greedy batch needs no per-row tensors
+            return None if all_greedy else self.to_device(values, dtype)
+        return SamplingBatch(
+            temperatures=per_row([p.temperature for p in params], torch.float32),
+            top_ks=per_row([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
+            top_ps=per_row([p.top_p for p in params], torch.float32),
             generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
-            all_greedy=all_greedy,
-            needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None),
-                             default=None),
+            all_greedy=all_greedy, needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             logit_edits=self.logit_edits(seqs))
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
@@ -1010,16 +1005,13 @@ class ModelRunner:
         tokens, logprobs = sample(logits, sampling)
         # Penalties count a row's tokens on the host, so the step after this
         # one must wait for its tokens (no edits at all: no row has penalties).
-        wait = sampling.logit_edits is not None and \
-            any(s.params.needs_output_history for s in seqs)
+        wait = sampling.logit_edits is not None and any(s.params.needs_output_history for s in seqs)
         # Start copying the samples back now: queued after the next step, the
         # copy (and so EngineCore._commit) would wait for that step too.
         to_host = [tokens, *(logprobs or ())]
         if not self.use_cuda:
             return LaunchedStep(batch, seqs, tokens, to_host, None, wait)
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in to_host]
-        for h, t in zip(host, to_host):
-            h.copy_(t, non_blocking=True)
+        host = [t.to("cpu", non_blocking=True) for t in to_host]   # into pinned memory
         copied = torch.cuda.Event()
         copied.record()
         return LaunchedStep(batch, seqs, tokens, host, copied, wait)
