@@ -1830,11 +1830,10 @@ def parse_messages(messages) -> list:
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
-            kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
-            if any(k != "text" or not isinstance(p.get("text"), str)
-                   for k, p in zip(kinds, content)):
-                bad = next(k for k in kinds if k != "text")
-                raise APIError(400, f"message content parts of type {bad!r} are not supported "
+            bad = [p.get("type") if isinstance(p, dict) else p for p in content if not (
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))]
+            if bad:
+                raise APIError(400, f"message content parts of type {bad[0]!r} are not supported "
                                     "(text only)", param="messages")
             content = "\n".join(p["text"] for p in content)
         if not (isinstance(content, str) or content is None and m["role"] == "assistant"):
@@ -2076,9 +2075,7 @@ class OpenAIServer:
         return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
 
     async def health(self, request: Request) -> Response:
-        if self.client.error:
-            return PlainTextResponse(self.client.error, status_code=503)
-        return PlainTextResponse("ok")
+        return PlainTextResponse(self.client.error or "ok", 503 if self.client.error else 200)
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self.created,
