@@ -258,14 +258,14 @@ def fused_on_cuda(fn):
 def rms_norm(x, weight, eps: float):                           # (N_tok, D)
     # Normalize in fp32 and cast back before the weight, as transformers
     # does, so bf16 results round the same way.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = x.float()                               # fp32: squares of bf16 activations would lose bits
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (N_tok, D) / rms over D
     return weight * h.to(x.dtype)
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))  # weight: (D,)
 
     def forward(self, x):                                      # (N_tok, D)
         return rms_norm(x, self.weight, self.eps)
@@ -282,11 +282,11 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     # original_max_position_embeddings tokens extrapolates to longer contexts.
     old_len, factor = s["original_max_position_embeddings"], s["factor"]
     low, high = s["low_freq_factor"], s["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
+    wavelen = 2 * math.pi / inv_freq                       # (hd/2,) tokens per full turn
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
+    smooth = (old_len / wavelen - low) / (high - low)      # 0 at the low band, 1 at the high
     blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)  # (hd/2,) bool
     return torch.where(medium, blended, scaled).float()        # (hd/2,)
 
 class RotaryEmbedding(nn.Module):
@@ -294,7 +294,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        t = torch.arange(cfg.max_model_len, dtype=torch.float32)
+        t = torch.arange(cfg.max_model_len, dtype=torch.float32)  # (max_model_len,) positions
         freqs = torch.outer(t, rope_inv_freq(cfg))             # (max_model_len, hd/2)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
@@ -305,12 +305,12 @@ class RotaryEmbedding(nn.Module):
 @fused_on_cuda
 def apply_rope(positions, q, k, cos_table, sin_table):
     cos = cos_table[positions].unsqueeze(1)                    # (N_tok, 1, hd/2)
-    sin = sin_table[positions].unsqueeze(1)
+    sin = sin_table[positions].unsqueeze(1)                # (N_tok, 1, hd/2)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 def _rotate(x, cos, sin):
     # The "rotate half" layout of transformers: channel i pairs with i + hd/2.
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.float().chunk(2, dim=-1)                    # (N_tok, heads, hd/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 @dataclass
@@ -353,7 +353,7 @@ def linear(x, weight, fused: bool, norm: Optional[RMSNorm] = None, silu_mul: boo
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         return pa.gemv(x, weight, norm_weight, eps, silu_mul, residual)
     x = silu_and_mul(x) if silu_mul else x
-    y = F.linear(x if norm is None else norm(x), weight)
+    y = F.linear(x if norm is None else norm(x), weight)   # (N_tok, N)
     return y if residual is None else residual + y
 
 class Attention(nn.Module):
@@ -363,10 +363,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
-        self.split_sizes = [q_size, kv_size, kv_size]
+        self.split_sizes = [q_size, kv_size, kv_size]      # the rows of q, k, v in qkv_proj
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.scale = self.hd ** -0.5
+        self.scale = self.hd ** -0.5                       # softmax(q k^T / sqrt(hd))
         self.store, self.prefill, self.decode = ATTENTION_OPS[cfg.attention]
         self.fused = cfg.attention == "triton"   # the Triton GEMV and RoPE-in-store too
         # This layer's slice of the KV pool, set by ModelRunner.allocate_kv_cache.
@@ -451,7 +451,7 @@ class Model(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata):  # (N_tok,), (N_tok,)
         x = self.embed_tokens(input_ids)                       # (N_tok, D)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, meta)
+            x = layer(x, positions, self.rope, meta)       # (N_tok, D)
         return x                                               # (N_tok, D), before the final norm
 
     def compute_logits(self, hidden):                          # (B, D)
@@ -462,7 +462,7 @@ def build_model(cfg: Config) -> Model:
     """Allocate the model on its device without a throwaway random init, then load."""
     with torch.device("meta"):
         model = Model(cfg)
-    model = model.to(cfg.torch_dtype).to_empty(device=cfg.device)
+    model = model.to(cfg.torch_dtype).to_empty(device=cfg.device)  # memory, not values
     model.rope = RotaryEmbedding(cfg).to(cfg.device)           # buffers were meta; recompute
     load_weights(model, cfg)
     return model.eval()
@@ -544,13 +544,13 @@ def apply_logit_edits(logits, edits):                        # (B, V) fp32
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
     """Set every logit outside a row's top-k and top-p set to -inf."""
     sorted_logits, order = logits.sort(dim=-1)                 # ascending, (B, V)
-    V = logits.shape[-1]
+    V = logits.shape[-1]                                   # vocabulary size
     # top-k by position in the sorted row, so exactly k survive even with ties
     cut = torch.arange(V, device=logits.device) < (V - top_ks).unsqueeze(1)
     sorted_logits.masked_fill_(cut, -float("inf"))
     # top-p: drop a token when it and all smaller ones hold <= 1 - p of the
     # mass; the largest token always stays.
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)     # (B, V), ascending mass
     cut = cum <= (1 - top_ps).unsqueeze(1)
     cut[:, -1] = False
     sorted_logits.masked_fill_(cut, -float("inf"))
@@ -562,7 +562,7 @@ def argmax_rows(logits):                                      # (B, V)
     entries, ~25 us for Llama-3's vocabulary), so each row is cut into 64
     chunks reduced side by side first. Ties go to the first index, as in
     torch.argmax."""
-    B, V = logits.shape
+    B, V = logits.shape                                    # rows, vocabulary
     if V % 64:
         return logits.argmax(dim=-1)
     best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
@@ -576,25 +576,25 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     logits = raw if batch.logit_edits is None else apply_logit_edits(raw, batch.logit_edits)
     tokens = argmax_rows(logits)
     if not batch.all_greedy:
-        t = batch.temperatures.unsqueeze(1)
-        scaled = logits / torch.where(t > 0, t, 1.0)
+        t = batch.temperatures.unsqueeze(1)                # (B, 1)
+        scaled = logits / torch.where(t > 0, t, 1.0)     # greedy rows: any divisor; replaced below
         if batch.needs_top_k_top_p:
             scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
-        probs = scaled.softmax(dim=-1)
+        probs = scaled.softmax(dim=-1)                     # (B, V)
         # Exponential race ("sample without a CUDA sync"): argmax(p / E) with
         # E ~ Exp(1) is a draw from p, and unlike torch.multinomial it needs
         # no host round trip and takes a per-row generator.
         noise = torch.empty_like(probs).exponential_()
         for row, gen in batch.generators:
             noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = (probs / noise).argmax(dim=-1)           # (B,)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
     if batch.max_logprobs is None:
         return tokens, None
     # Log-probs of the model's own distribution (before the edits, temperature
     # and top-p), the way the OpenAI API reports them.
-    logp = raw.log_softmax(dim=-1)
-    top = logp.topk(batch.max_logprobs, dim=-1)
+    logp = raw.log_softmax(dim=-1)                         # (B, V) fp32
+    top = logp.topk(batch.max_logprobs, dim=-1)            # (B, k) values and indices
     return tokens, (logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
 
 
@@ -608,8 +608,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
 class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[Optional[int]] = [None] * num_blocks
+        self.ref_counts = [0] * num_blocks                 # sequences using each block
+        self.block_hashes: list[Optional[int]] = [None] * num_blocks  # a full block's prefix hash
         self.free_block_ids = deque(range(num_blocks))   # ref 0, nothing cached in them
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached; LRU first
         self.cached_blocks: dict[int, int] = {}          # prefix hash -> block id
@@ -620,7 +620,7 @@ class BlockAllocator:
         if self.free_block_ids:
             block = self.free_block_ids.popleft()
         else:  # evict the least recently used cached block
-            block, _ = self.evictable.popitem(last=False)
+            block, _ = self.evictable.popitem(last=False)  # the oldest first
             del self.cached_blocks[self.block_hashes[block]]
             self.block_hashes[block] = None
         assert self.ref_counts[block] == 0, f"block {block} allocated while in use"
@@ -677,10 +677,10 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)     # fixed: output starts after these
         self.num_computed_tokens = 0     # tokens whose K/V are in the cache
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
         # Tokens sampled for this sequence that are still on the device: a
@@ -706,9 +706,9 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, cfg: Config, allocator: BlockAllocator):
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()            # FIFO; a preempted one goes first
         self.running: list[Sequence] = []      # in admission order
-        self.num_preemptions = 0
+        self.num_preemptions = 0                           # /metrics; a step that preempts admits none
         self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
 
     def schedule(self) -> ScheduledBatch:
@@ -756,9 +756,9 @@ class Scheduler:
     def _reserve_blocks(self, seq: Sequence, n: int) -> bool:
         """Give seq blocks for n more tokens, preempting from the back of the
         running queue as needed. False if seq itself had to be preempted."""
-        needed = self._num_blocks_needed(seq, n)
+        needed = self._num_blocks_needed(seq, n)           # 0 while the last block has room
         while needed > self.allocator.num_free_blocks:
-            victim = self.running[-1]
+            victim = self.running[-1]                      # the most recently admitted
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -770,7 +770,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free_blocks(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(seq)               # first in line: it was admitted before the rest
         self.num_preemptions += 1
 
     def _free_blocks(self, seq: Sequence):
@@ -995,7 +995,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, meta)     # (N_tok, D)
         self.compute_prompt_logprobs(batch, hidden)
-        seqs = [batch.seqs[i] for i in sample_seqs]
+        seqs = [batch.seqs[i] for i in sample_seqs]        # those that sample this step
         if not seqs:                            # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None, [], None)
         if len(sample_rows) < hidden.shape[0]:   # skip the rows of prefill tokens
@@ -1008,12 +1008,12 @@ class ModelRunner:
         wait = sampling.logit_edits is not None and any(s.params.needs_output_history for s in seqs)
         # Start copying the samples back now: queued after the next step, the
         # copy (and so EngineCore._commit) would wait for that step too.
-        to_host = [tokens, *(logprobs or ())]
+        to_host = [tokens, *(logprobs or ())]              # (B,) each
         if not self.use_cuda:
             return LaunchedStep(batch, seqs, tokens, to_host, None, wait)
         host = [t.to("cpu", non_blocking=True) for t in to_host]   # into pinned memory
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record()                                    # on the stream, after the copies
         return LaunchedStep(batch, seqs, tokens, host, copied, wait)
 
     def compute_prompt_logprobs(self, batch: ScheduledBatch, hidden):  # (N_tok, D)
@@ -1050,7 +1050,7 @@ class ModelRunner:
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32,
                                      device=dev))
-        pool = None
+        pool = None                                        # one memory pool, shared by every graph
         for bs in reversed(sizes):     # largest first, so smaller ones reuse its memory
             g = self.graph_inputs
             meta = AttentionMetadata(g["slot_mapping"][:bs], g["block_tables"][:bs],
@@ -1066,7 +1066,7 @@ class ModelRunner:
 
     def _replay_graph(self, input_ids, positions, meta: AttentionMetadata):
         n = input_ids.shape[0]
-        bs = min(b for b in self.graphs if b >= n)
+        bs = min(b for b in self.graphs if b >= n)         # the next captured size up
         g, width = self.graph_inputs, meta.block_tables.shape[1]
         g["input_ids"][:n].copy_(input_ids)
         g["positions"][:n].copy_(positions)
@@ -1078,7 +1078,7 @@ class ModelRunner:
         # past a row's context_len.
         g["block_tables"][:n, :width].copy_(meta.block_tables)
         graph, hidden = self.graphs[bs]
-        graph.replay()
+        graph.replay()                                    # every kernel of the forward, one launch
         return hidden[:n]                                      # (N_tok, D)
 
 @dataclass
@@ -1131,7 +1131,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
-        self.num_generated_tokens = 0
+        self.num_generated_tokens = 0                      # for /metrics
 
     def add_request(self, request: EngineCoreRequest):
         """Queue a checked request (FrontEnd.validate); it joins the batch next step."""
@@ -1186,10 +1186,10 @@ class EngineCore:
         step) and hand each to its sequence."""
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
-        tokens, *logprobs = [t.tolist() for t in step.host] or [[]]
+        tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
         outputs = []
         for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
-            seq.num_pending_tokens -= 1
+            seq.num_pending_tokens -= 1                    # it has arrived
             if seq.is_finished:                 # aborted, or ended by the step before
                 continue
             seq.token_ids.append(token)
@@ -1244,9 +1244,10 @@ class EngineCore:
 # ---------------------------------------------------------------------------
 # Requests in, text out
 # The front end: everything per request that the engine core never needs.
-# It tokenizes, checks a request against the engine's limits, and turns token
-# ids back into text (incremental detokenization, stop strings). It runs in
-# the caller's process: the server's, or the one that calls LLM.generate.
+# It renders chat templates, tokenizes, checks a request against the engine's
+# limits, and turns token ids back into text (incremental detokenization, stop
+# strings). It runs in the caller's process: the server's, or the one that
+# calls LLM.generate, which is where the engine core runs too when offline.
 
 def load_tokenizer(model_dir: str):
     """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
@@ -1281,7 +1282,7 @@ class RequestState:
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
         # the detokenizer's window, as indices into token_ids (not slices,
         # which would copy the whole completion every step)
-        self.prefix_offset = self.read_offset = 0
+        self.prefix_offset = self.read_offset = 0         # [prefix, read): shown, kept as context
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
@@ -1312,7 +1313,7 @@ class ChatTemplate:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals.update(raise_exception=_raise_template_error, strftime_now=time.strftime)
         source = tokenizer_config.get("chat_template")
-        self.template = env.from_string(source) if source else None
+        self.template = env.from_string(source) if source else None  # None: no chat endpoint
         # older configs write a special token as {"content": "<s>", ...}
         tokens = {name: tokenizer_config.get(name) or "" for name in ("bos_token", "eos_token")}
         self.special_tokens = {k: t["content"] if isinstance(t, dict) else t for k, t in tokens.items()}
@@ -1381,7 +1382,7 @@ class FrontEnd:
         abort (it may compute one token past the stop; that one is dropped)."""
         now, changed = time.perf_counter(), {}
         for out in outputs:
-            state = self.states.get(out.request_id)
+            state = self.states.get(out.request_id)        # None once it ended here
             if state is None:                  # ended here already (stop string, abort)
                 continue
             changed[out.request_id] = state
@@ -1393,7 +1394,7 @@ class FrontEnd:
                 state.token_ids.append(out.token_id)
                 state.logprobs += [out.logprobs] if out.logprobs else []
         states = list(changed.values())
-        num_old_chars = [len(s.text) for s in states]
+        num_old_chars = [len(s.text) for s in states]      # stop strings: only new text can match
         self._detokenize([s for s in states if s.incremental and not s.error])
         stopped = []
         for state, num_old in zip(states, num_old_chars):
@@ -1611,7 +1612,7 @@ class EngineCoreClient:
         if isinstance(ready, str):
             raise ValueError(ready)
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
-        self.front = FrontEnd(cfg, self.stats["num_blocks"])
+        self.front = FrontEnd(cfg, self.stats["num_blocks"])  # the pool's size bounds a request
         self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
         self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
                               [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
@@ -1638,7 +1639,7 @@ class EngineCoreClient:
         finish_reason. However the caller stops (done, client gone, error),
         the `finally` aborts what still runs, so its KV blocks are freed at
         the next step, not after max_tokens."""
-        changed = asyncio.Queue()
+        changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
         self.queues.update((request_id, changed) for request_id in unfinished)
@@ -1682,7 +1683,7 @@ class EngineCoreClient:
         self.stats = messages[-1].stats
         states, stopped = self.front.process([o for m in messages for o in m.outputs])
         self._abort(stopped)
-        now = time.perf_counter()
+        now = time.perf_counter()                          # one clock reading for the whole batch
         for state in states:
             self._observe(state, now)
             queue = self.queues.get(state.request_id)
@@ -1720,10 +1721,12 @@ class EngineCoreClient:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process. Handlers
-# parse a request, tokenize it (in a thread: tokenizers drops the GIL), send
-# it down the pipe through EngineCoreClient, and await its RequestStates,
-# which the client updates from each step's outputs on the same event loop.
+# An OpenAI-compatible HTTP API on Starlette, in the server process, with one
+# way to do each thing: a request is parsed against its endpoint's table of
+# fields; tokenized in a thread (tokenizers drops the GIL); sent down the pipe
+# by EngineCoreClient.generate, which yields its RequestStates as steps come
+# back; and shaped by its endpoint's _Shape into chunks. A stream sends each
+# chunk as a server-sent event; a non-streamed response folds them into one.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1920,7 +1923,7 @@ class _Shape:
     async def collect(self, chunks) -> dict:
         """A non-streamed response: each choice's chunks joined (_fold), and a
         stream's "delta" is then the whole "message"."""
-        choices = {}
+        choices = {}                                       # index -> the whole choice so far
         async with aclosing(chunks):
             async for choice in chunks:
                 _fold(choices.setdefault(choice["index"], {}), choice)
@@ -1965,7 +1968,7 @@ class _CompletionShape(_Shape):
 
     def logprobs(self, d: Delta, echo) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        rows = []
+        rows = []                                          # (text, logprob, top) per token
         if echo:                              # the prompt's rows, the first one empty
             first = (self.server.token_text(echo[1][0]), None, None)
             rows = [first, *self.token_logprobs(echo[1][1:], d.prompt_logprobs or [])]
@@ -2047,8 +2050,8 @@ class OpenAIServer:
 
     def __init__(self, client: EngineCoreClient, cfg: Config):
         self.client, self.front, self.cfg = client, client.front, cfg
-        self.model_name = Path(cfg.model).name
-        self.created = int(time.time())
+        self.model_name = Path(cfg.model).name             # what clients pass as 'model'
+        self.created = int(time.time())                    # for /v1/models
 
     def routes(self) -> list:
         # /health and /metrics stay open, so probes and scrapers need no key
@@ -2217,7 +2220,7 @@ def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
 
 def serve(cfg: Config):
     # Bind first: a port in use is one clear error, before the model loads.
-    sock = socket.create_server((cfg.host, cfg.port))
+    sock = socket.create_server((cfg.host, cfg.port))      # a port in use fails here, at once
     client = EngineCoreClient(cfg)
     print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
           + (" (API key required)" if cfg.api_key else ""), flush=True)
@@ -2262,7 +2265,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     add_dataclass_flags(gen, Config, skip=("host", "port", "api_key", "max_request_bytes"))
     add_dataclass_flags(gen, SamplingParams)
-    gen.set_defaults(max_tokens=128)
+    gen.set_defaults(max_tokens=128)                      # a terminal wants more than the API's 16
     srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_dataclass_flags(srv, Config)
     return parser
