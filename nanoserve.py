@@ -1737,31 +1737,82 @@ class APIError(Exception):
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
 
-# -- request parsing: one table of the fields each endpoint takes, each field
-# type-checked the same way; every check raises an APIError that names it --
+# -- request parsing: each endpoint has one table of the fields it takes. A
+# field is checked the same way everywhere: its JSON type, then its own rule
+# if it has one (rules also fill in defaults); any failure is a 400 that
+# names the field --
 
-_COMMON_FIELDS = dict(
-    model=str, max_tokens=int, n=int, seed=int, stop=object, temperature=float, top_p=float,
-    top_k=int, logit_bias=dict, presence_penalty=float, frequency_penalty=float,
+def _stop(v, f) -> list:
+    v = [] if v is None else [v] if isinstance(v, str) else v
+    if not (isinstance(v, list) and all(isinstance(s, str) and s for s in v)):
+        raise ValueError("must be a non-empty string or a list of them")
+    return v
+
+def _n(v, f) -> int:
+    v = 1 if v is None else v
+    if not 1 <= v <= 128:             # OpenAI's limit
+        raise ValueError(f"must be in [1, 128], got {v}")
+    return v
+
+def _prompt(v, f) -> list:
+    """'prompt' as OpenAI takes it: a string, token ids, or a list of either;
+    always a list of prompts here. FrontEnd.encode checks every id, once."""
+    def one(p):
+        return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], int))
+    if not (one(v) or isinstance(v, list) and v and all(one(p) for p in v)):
+        raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
+    return [v] if one(v) else v
+
+def _messages(v, f) -> list:
+    """Chat messages for the template. Content may be a string, a list of
+    parts, whose text parts are joined (other parts are refused), or null in
+    an assistant turn."""
+    if not (v and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in v)):
+        raise ValueError("must be a non-empty list of objects with a string 'role'")
+    parsed = []
+    for m in v:
+        content = m.get("content")
+        if isinstance(content, list):
+            bad = [p.get("type") if isinstance(p, dict) else p for p in content if not (
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))]
+            if bad:
+                raise ValueError(f"content parts of type {bad[0]!r} are not supported (text only)")
+            content = "\n".join(p["text"] for p in content)
+        if not (isinstance(content, str) or content is None and m["role"] == "assistant"):
+            raise ValueError("content must be a string or a list of text parts "
+                             "(null only for the assistant)")
+        parsed.append({**m, "content": content or ""})
+    return parsed
+
+def _refused(why: str, asks_nothing_new):
+    """The rule of a field the API defines but nanoserve does not implement
+    yet: a 400 unless the value asks for nothing new, so that a client asking
+    for JSON or tool calls fails loudly instead of getting neither."""
+    def rule(v, f):
+        if v is not None and not asks_nothing_new(v, f):
+            raise ValueError(why)
+        return v
+    return rule
+
+_COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule)
+    model=str, max_tokens=int, n=(int, _n), seed=int, stop=(object, _stop), temperature=float,
+    top_p=float, top_k=int, logit_bias=dict, presence_penalty=float, frequency_penalty=float,
     repetition_penalty=float, ignore_eos=bool, stream=bool, stream_options=dict,
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
-COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=object, echo=bool, logprobs=int,
-                         best_of=int, suffix=str)
-CHAT_FIELDS = dict(_COMMON_FIELDS, messages=list, logprobs=bool, top_logprobs=int,
-                   max_completion_tokens=int, response_format=dict, tools=list,
-                   tool_choice=object, parallel_tool_calls=bool)
-# Fields the API defines but nanoserve does not implement yet: a 400, so that
-# a client asking for JSON or tool calls fails loudly instead of quietly.
-_REFUSED = {
-    "response_format": (lambda v, f: v.get("type", "text") != "text",
-                        "structured output is not supported yet"),
-    "tools": (lambda v, f: bool(v), "tool calling is not supported yet"),
-    "tool_choice": (lambda v, f: v != "none", "tool calling is not supported yet"),
-    "suffix": (lambda v, f: bool(v), "'suffix' (insertion) is not supported"),
-    "best_of": (lambda v, f: v != f.get("n", 1), "'best_of' other than 'n' is not supported")}
+COMPLETION_FIELDS = dict(
+    _COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
+    best_of=(int, _refused("'best_of' other than 'n' is not supported", lambda v, f: v == f["n"])),
+    suffix=(str, _refused("'suffix' (insertion) is not supported", lambda v, f: not v)))
+CHAT_FIELDS = dict(
+    _COMMON_FIELDS, messages=(list, _messages), logprobs=bool, top_logprobs=int,
+    max_completion_tokens=int, parallel_tool_calls=bool,
+    response_format=(dict, _refused("structured output is not supported yet",
+                                    lambda v, f: v.get("type", "text") == "text")),
+    tools=(list, _refused("tool calling is not supported yet", lambda v, f: not v)),
+    tool_choice=(object, _refused("tool calling is not supported yet", lambda v, f: v == "none")))
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
                dict: "an object", list: "an array"}
-
+# the API's sampling fields that carry SamplingParams' own names and defaults
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "ignore_eos", "logit_bias",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -1773,7 +1824,8 @@ def parse_fields(body: dict, spec: dict) -> dict:
     for name, value in body.items():
         if name not in spec:
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
-        kind, fields[name] = spec[name], value
+        kind = spec[name][0] if isinstance(spec[name], tuple) else spec[name]
+        fields[name] = value
         if value is None or kind is object:
             continue
         # an integer is a fine number; true is an int in Python but not in JSON
@@ -1784,66 +1836,27 @@ def parse_fields(body: dict, spec: dict) -> dict:
         if kind is int and not -2**63 <= value < 2**64:
             raise APIError(400, f"'{name}' is out of the 64-bit range", param=name)
         if kind is float:             # 1e400 parses to inf; float(10**400) would overflow
-            fields[name] = float(value) if abs(value) <= sys.float_info.max else math.inf
-            if not math.isfinite(fields[name]):
+            value = float(value) if abs(value) <= sys.float_info.max else math.inf
+            if not math.isfinite(value):
                 raise APIError(400, f"'{name}' must be a finite number", param=name)
-    fields = {k: v for k, v in fields.items() if v is not None}
-    for name, (is_refused, message) in _REFUSED.items():
-        if name in fields and is_refused(fields[name], fields):
-            raise APIError(400, message, param=name)
-    return fields
+            fields[name] = value
+    for name, rule in [(k, v[1]) for k, v in spec.items() if isinstance(v, tuple)]:
+        try:                          # every rule runs, present or not (defaults)
+            fields[name] = rule(fields.get(name), fields)
+        except ValueError as e:
+            raise APIError(400, f"'{name}' {e}", param=name)
+    return {k: v for k, v in fields.items() if v is not None}
 
 def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                           prompt_logprobs: Optional[int] = None) -> list:
     """One SamplingParams per choice. With a seed, choice i uses seed + i, so
     the n choices differ and the request stays reproducible."""
-    n, seed, stop = f.get("n", 1), f.get("seed"), f.get("stop")
-    if not 1 <= n <= 128:             # OpenAI's limit
-        raise APIError(400, f"'n' must be in [1, 128], got {n}", param="n")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-    # the API's sampling fields carry SamplingParams' names and defaults
     shared = {k: v for k, v in f.items() if k in _SAMPLING_FIELDS}
-    return [SamplingParams(**shared, max_tokens=max_tokens, stop=stop, logprobs=logprobs,
+    seed = f.get("seed")
+    return [SamplingParams(**shared, max_tokens=max_tokens, stop=f["stop"], logprobs=logprobs,
                            prompt_logprobs=prompt_logprobs,
-                           seed=None if seed is None else (seed + i) % 2**64) for i in range(n)]
-
-def parse_prompts(prompt) -> list:
-    """'prompt' as OpenAI takes it: a string, token ids, or a list of either.
-    Only the shape is read here; FrontEnd.encode checks every id, once."""
-    def one(p):
-        return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], int))
-    if one(prompt):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
-        return prompt
-    raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list "
-                        "of either", param="prompt")
-
-def parse_messages(messages) -> list:
-    """Chat messages for the template. Content may be a string, a list of
-    parts, whose text parts are joined (other parts are refused), or null in
-    an assistant turn."""
-    if not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-        raise APIError(400, "'messages' must be a non-empty list of objects with a string "
-                            "'role'", param="messages")
-    parsed = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            bad = [p.get("type") if isinstance(p, dict) else p for p in content if not (
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))]
-            if bad:
-                raise APIError(400, f"message content parts of type {bad[0]!r} are not supported "
-                                    "(text only)", param="messages")
-            content = "\n".join(p["text"] for p in content)
-        if not (isinstance(content, str) or content is None and m["role"] == "assistant"):
-            raise APIError(400, "a message's 'content' must be a string or a list of text "
-                                "parts (null only for the assistant)", param="messages")
-        parsed.append({**m, "content": content or ""})
-    return parsed
+                           seed=None if seed is None else (seed + i) % 2**64)
+            for i in range(f["n"])]
 
 # -- response shapes: a stream sends a chunk per Delta; a non-streamed
 # response is those same chunks folded into one body --
@@ -2109,7 +2122,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         f = parse_fields(await self._read(request), COMPLETION_FIELDS)
-        prompts, num_top, echo = parse_prompts(f.get("prompt")), f.get("logprobs"), f.get("echo")
+        prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
         # max_tokens 0 (with echo: the prompt's log-probs only) still samples
         # one token, which the engine core drops
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
@@ -2121,7 +2134,7 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         f = parse_fields(await self._read(request), CHAT_FIELDS)
         try:
-            text = self.front.chat_template.render(parse_messages(f.get("messages")))
+            text = self.front.chat_template.render(f["messages"])
         except ValueError as e:
             raise APIError(400, str(e), param="messages")
         # the template has written the special tokens: encode must not add its own
