@@ -35,14 +35,12 @@ from __future__ import annotations
 import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, hmac, json, math
 import multiprocessing, os, queue, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Optional
 
-import jinja2
-import jinja2.sandbox
+import jinja2.sandbox                    # also binds jinja2
 import numpy as np
 import torch
 import torch.nn as nn
@@ -64,8 +62,7 @@ import paged_attention as pa
 #   n_heads  query heads;  n_kv  key/value heads;  hd  head dim
 #   num_blocks, block_size   the paged KV pool: block_size tokens per block
 
-REPO_DIR = Path(__file__).resolve().parent
-DEFAULT_MODEL = str(REPO_DIR / "weights" / "SmolLM2-135M-Instruct")
+DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-Instruct")
 
 
 # ---------------------------------------------------------------------------
@@ -125,12 +122,10 @@ class Config:
         self._read_model_config(json.loads((path / "config.json").read_text()))
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.attention == "auto":
-            self.attention = "triton" if self.device.startswith("cuda") else "sdpa"
-        if self.api_key is None:
-            self.api_key = os.environ.get("NANOSERVE_API_KEY") or None
+        on_cuda = self.device.startswith("cuda")
+        self.dtype = ("bfloat16" if on_cuda else "float32") if self.dtype == "auto" else self.dtype
+        self.attention = ("triton" if on_cuda else "sdpa") if self.attention == "auto" else self.attention
+        self.api_key = self.api_key or os.environ.get("NANOSERVE_API_KEY") or None
         self._check()
 
     def _read_model_config(self, c: dict):
@@ -164,13 +159,13 @@ class Config:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs, "
                              "so that every running sequence can decode in one step")
-        if self.attention not in ("triton", "sdpa", "torch"):
-            raise ValueError(f"attention must be triton, sdpa or torch, got {self.attention!r}")
+        for name, allowed in [("attention", ("triton", "sdpa", "torch")),
+                              ("dtype", ("float32", "bfloat16", "float16"))]:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.attention == "triton" and not self.device.startswith("cuda") \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
     torch_dtype = property(lambda self: getattr(torch, self.dtype))
 
@@ -690,7 +685,6 @@ class Sequence:
         self.status, self.finish_reason = Status.WAITING, None
         self.generator = None            # per-request RNG when params.seed is set
         self.prompt_logprobs: list = []  # (logprob, {token: logprob}) of prompt tokens 1, 2, ...
-
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
     is_finished = property(lambda self: self.status == Status.FINISHED)
@@ -700,7 +694,6 @@ class ScheduledBatch:
     """What one step runs: each sequence with its number of new tokens."""
     seqs: list
     num_new_tokens: list
-
     is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
 
 class Scheduler:
@@ -781,7 +774,6 @@ class Scheduler:
         seq.block_table, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
 
     # -- prefix caching --
-
     def _reuse_cached_prefix(self, seq: Sequence):
         """Point seq at the cached blocks of its longest cached prefix."""
         if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
@@ -856,7 +848,6 @@ class ModelRunner:
             self.capture_cuda_graphs()
 
     # -- KV pool --
-
     def _bind_kv_cache(self, num_blocks: int):
         cfg = self.cfg
         kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, cfg.num_kv_heads,
@@ -902,7 +893,6 @@ class ModelRunner:
         return peak
 
     # -- inputs --
-
     def to_device(self, data, dtype) -> torch.Tensor:
         t = torch.as_tensor(np.asarray(data), dtype=dtype)     # pinned: the copy does not wait
         return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
@@ -976,7 +966,6 @@ class ModelRunner:
             return self.to_device(e[:2], torch.int64), self.to_device(e[2:], torch.float32)
 
     # -- forward and sample --
-
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"] = None) -> "LaunchedStep":
         """Queue one step on the device and return without waiting for it.
@@ -1035,7 +1024,6 @@ class ModelRunner:
                     chosen.tolist(), top.indices.tolist(), top.values.tolist())]
 
     # -- CUDA graphs --
-
     @torch.no_grad()
     def capture_cuda_graphs(self):
         """Capture the decode forward for batch sizes 1, 2, 4, 8, 16, 32, ...;
@@ -1151,7 +1139,6 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     # -- one step --
-
     def step(self) -> list:
         """Run one iteration; return an EngineCoreOutput per sequence that sampled.
 
@@ -1337,7 +1324,6 @@ class FrontEnd:
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
 
     # -- requests in --
-
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
         if not isinstance(prompt, str):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -1375,7 +1361,6 @@ class FrontEnd:
         return EngineCoreRequest(state.request_id, prompt_ids, params)
 
     # -- outputs back --
-
     def process(self, outputs: list) -> tuple[list, list]:
         """Apply one or more steps' outputs. Return the requests that changed
         and the ids of those a stop string ended, which the engine core must
@@ -1757,6 +1742,7 @@ def _n(v, f) -> int:
 def _prompt(v, f) -> list:
     """'prompt' as OpenAI takes it: a string, token ids, or a list of either;
     always a list of prompts here. FrontEnd.encode checks every id, once."""
+
     def one(p):
         return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], int))
     if not (one(v) or isinstance(v, list) and v and all(one(p) for p in v)):
@@ -1788,6 +1774,7 @@ def _refused(why: str, asks_nothing_new):
     """The rule of a field the API defines but nanoserve does not implement
     yet: a 400 unless the value asks for nothing new, so that a client asking
     for JSON or tool calls fails loudly instead of getting neither."""
+
     def rule(v, f):
         if v is not None and not asks_nothing_new(v, f):
             raise ValueError(why)
@@ -1900,7 +1887,7 @@ class _Shape:
     async def chunks(self, states, n: int):
         """The choice of every chunk, from client.generate's RequestStates: one
         per Delta with news, then one that carries the finish_reason."""
-        async with aclosing(states):
+        async with contextlib.aclosing(states):
             for i in range(n):
                 for choice in self.opening(i):
                     yield choice
@@ -1920,7 +1907,7 @@ class _Shape:
         status line is gone."""
         def sse(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-        async with aclosing(chunks):
+        async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
                     yield sse(self.envelope(self.chunk_object, [choice]))
@@ -1937,7 +1924,7 @@ class _Shape:
         """A non-streamed response: each choice's chunks joined (_fold), and a
         stream's "delta" is then the whole "message"."""
         choices = {}                                       # index -> the whole choice so far
-        async with aclosing(chunks):
+        async with contextlib.aclosing(chunks):
             async for choice in chunks:
                 _fold(choices.setdefault(choice["index"], {}), choice)
         for c in choices.values():
@@ -2038,6 +2025,7 @@ async def _unless_disconnected(request: Request, work):
     """Await `work`, but cancel it if the client hangs up first (None then).
     uvicorn does not cancel a handler whose client has left, so without this a
     non-streamed request would hold its KV blocks until max_tokens."""
+
     async def disconnected():         # the body is read: what comes next is the hang-up
         while (await request.receive())["type"] != "http.disconnect":
             pass
