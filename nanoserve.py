@@ -1742,7 +1742,6 @@ def _n(v, f) -> int:
 def _prompt(v, f) -> list:
     """'prompt' as OpenAI takes it: a string, token ids, or a list of either;
     always a list of prompts here. FrontEnd.encode checks every id, once."""
-
     def one(p):
         return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], int))
     if not (one(v) or isinstance(v, list) and v and all(one(p) for p in v)):
@@ -1774,7 +1773,6 @@ def _refused(why: str, asks_nothing_new):
     """The rule of a field the API defines but nanoserve does not implement
     yet: a 400 unless the value asks for nothing new, so that a client asking
     for JSON or tool calls fails loudly instead of getting neither."""
-
     def rule(v, f):
         if v is not None and not asks_nothing_new(v, f):
             raise ValueError(why)
@@ -2025,7 +2023,6 @@ async def _unless_disconnected(request: Request, work):
     """Await `work`, but cancel it if the client hangs up first (None then).
     uvicorn does not cancel a handler whose client has left, so without this a
     non-streamed request would hold its KV blocks until max_tokens."""
-
     async def disconnected():         # the body is read: what comes next is the hang-up
         while (await request.receive())["type"] != "http.disconnect":
             pass
