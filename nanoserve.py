@@ -198,6 +198,13 @@ def weight_name_map(cfg: Config) -> dict[str, tuple[str, slice]]:
         })
     return names
 
+def _progress(msg: str, end: bool = False):
+    """One updating status line on stderr (a plain line when not a terminal)."""
+    if sys.stderr.isatty():
+        print(f"\r{msg}", end="\n" if end else "", file=sys.stderr, flush=True)
+    elif end:
+        print(msg, file=sys.stderr, flush=True)
+
 @torch.no_grad()
 def load_weights(model: nn.Module, cfg: Config):
     """Copy every checkpoint tensor into its slice; fail on anything missing or extra."""
@@ -226,13 +233,6 @@ def load_weights(model: nn.Module, cfg: Config):
     missing = [n for n, p in params.items() if num_rows_loaded[n] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint is missing {missing[:3]}{'...' if len(missing) > 3 else ''}")
-
-def _progress(msg: str, end: bool = False):
-    """One updating status line on stderr (a plain line when not a terminal)."""
-    if sys.stderr.isatty():
-        print(f"\r{msg}", end="\n" if end else "", file=sys.stderr, flush=True)
-    elif end:
-        print(msg, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -335,6 +335,11 @@ ATTENTION_OPS = {
               pa.paged_attention_decode_ref),
 }
 
+@fused_on_cuda
+def silu_and_mul(gate_up):                                     # (N_tok, 2 I)
+    gate, up = gate_up.chunk(2, dim=-1)                        # (N_tok, I) each
+    return F.silu(gate) * up
+
 def linear(x, weight, fused: bool, norm: Optional[RMSNorm] = None, silu_mul: bool = False,
            residual=None):                                     # (N_tok, K) -> (N_tok, N)
     """residual + f(x) @ weight.T, f being the RMSNorm `norm`, SiLU-and-mul or nothing.
@@ -404,11 +409,6 @@ class MLP(nn.Module):
         """residual + mlp(norm(x)), norm and residual optional."""
         gate_up = linear(x, self.gate_up_proj.weight, self.fused, norm=norm)
         return linear(gate_up, self.down_proj.weight, self.fused, silu_mul=True, residual=residual)
-
-@fused_on_cuda
-def silu_and_mul(gate_up):                                     # (N_tok, 2 I)
-    gate, up = gate_up.chunk(2, dim=-1)                        # (N_tok, I) each
-    return F.silu(gate) * up
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config):
@@ -827,6 +827,16 @@ class Scheduler:
 # CUDA, decode steps replay a CUDA graph captured for the next larger batch
 # size, which removes the per-kernel launch cost that dominates small steps.
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens are not read back yet."""
+    batch: ScheduledBatch
+    seqs: list                        # the sequences that sample, in row order
+    tokens: Optional[torch.Tensor]    # (B,) int64 on the device
+    host: list                        # tokens, then sample()'s log-probs, if any, on the host
+    copied: Optional[torch.cuda.Event]  # set once `host` is filled (None on CPU)
+    needs_host_tokens: bool = False   # the next step waits for these tokens (penalties)
+
 class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
@@ -1068,16 +1078,6 @@ class ModelRunner:
         graph, hidden = self.graphs[bs]
         graph.replay()                                    # every kernel of the forward, one launch
         return hidden[:n]                                      # (N_tok, D)
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device whose sampled tokens are not read back yet."""
-    batch: ScheduledBatch
-    seqs: list                        # the sequences that sample, in row order
-    tokens: Optional[torch.Tensor]    # (B,) int64 on the device
-    host: list                        # tokens, then sample()'s log-probs, if any, on the host
-    copied: Optional[torch.cuda.Event]  # set once `host` is filled (None on CPU)
-    needs_host_tokens: bool = False   # the next step waits for these tokens (penalties)
 
 
 # ---------------------------------------------------------------------------
