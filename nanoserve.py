@@ -1485,8 +1485,9 @@ class EngineCoreAbort:
     request_ids: list
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
-    """The engine core process: it owns the scheduler, the block allocator,
-    the model runner and the device, and steps whenever work is queued.
+    """The engine core process, whose main thread runs this loop: it owns the
+    scheduler, the block allocator, the model runner and the device, and
+    steps whenever work is queued.
     `setup(core)`, if given, runs once before the loop (tests inject faults)."""
     for sig in (signal.SIGINT, signal.SIGTERM):   # the server's to handle: it stops us,
         signal.signal(sig, signal.SIG_IGN)         # and if it dies, the pipe tells us
@@ -1536,6 +1537,8 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         outbox_queue.put(EngineCoreOutputs(outputs, core.stats()))
 
 def _drain(inbox, inbox_queue: queue.Queue):
+    """The inbox thread of the engine core process: pipe -> queue, as fast as
+    requests arrive, so that the server never blocks on a full pipe."""
     try:
         while True:
             inbox_queue.put(inbox.recv())
@@ -1543,6 +1546,8 @@ def _drain(inbox, inbox_queue: queue.Queue):
         inbox_queue.put(None)
 
 def _send_outputs(outbox_queue: queue.Queue, outbox):
+    """The outbox thread: queue -> pipe. Steps queued while a send waited on
+    the server go out as one message, so a slow reader costs sends, not steps."""
     with contextlib.suppress(OSError):        # the server is gone; _drain tells the loop
         while True:
             messages = [outbox_queue.get()]
