@@ -90,8 +90,8 @@ class Config:
     max_num_seqs: int = _flag(256, "most sequences in one step")
     max_num_batched_tokens: int = _flag(8192, "token budget of one step (prefill chunks + decodes)")
     max_model_len: int = _flag(0, "longest prompt + completion (0: the model's limit)")
-    enable_prefix_caching: bool = _flag(True, "turn off prefix caching (the reuse of the KV "
-                                              "blocks of prompts seen before)", "--no-prefix-caching")
+    enable_prefix_caching: bool = _flag(True, "turn off prefix caching (the reuse of the KV blocks "
+                                        "of prompts seen before)", "--no-prefix-caching")
     enforce_eager: bool = _flag(False, "no CUDA graphs (they are only used on cuda)")
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     # -- server settings --
@@ -123,8 +123,10 @@ class Config:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         on_cuda = self.device.startswith("cuda")
-        self.dtype = ("bfloat16" if on_cuda else "float32") if self.dtype == "auto" else self.dtype
-        self.attention = ("triton" if on_cuda else "sdpa") if self.attention == "auto" else self.attention
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if on_cuda else "float32"
+        if self.attention == "auto":
+            self.attention = "triton" if on_cuda else "sdpa"
         self.api_key = self.api_key or os.environ.get("NANOSERVE_API_KEY") or None
         self._check()
 
@@ -701,7 +703,7 @@ class Scheduler:
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
         self.waiting: deque[Sequence] = deque()            # FIFO; a preempted one goes first
         self.running: list[Sequence] = []      # in admission order
-        self.num_preemptions = 0                           # /metrics; a step that preempts admits none
+        self.num_preemptions = 0               # a step that preempts admits no one
         self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
 
     def schedule(self) -> ScheduledBatch:
@@ -846,7 +848,8 @@ class ModelRunner:
             # not the CPUs a container or taskset grants, and extra threads only
             # contend. Set here, where the step loop runs, not in the server.
             # (macOS has no affinity mask.)
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            affinity = getattr(os, "sched_getaffinity", None)
+            cpus = len(affinity(0)) if affinity else os.cpu_count()
             torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
@@ -952,7 +955,8 @@ class ModelRunner:
             top_ks=per_row([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
             top_ps=per_row([p.top_p for p in params], torch.float32),
             generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
-            all_greedy=all_greedy, needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            all_greedy=all_greedy,
+            needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             logit_edits=self.logit_edits(seqs))
 
@@ -1247,8 +1251,8 @@ def load_tokenizer(model_dir: str):
 
 @dataclass
 class Delta:
-    """What a request got since the last Delta taken from it: a stream sends
-    one per change, a non-streamed response takes one at the end (the whole)."""
+    """What a request got since the last Delta taken from it. The server takes
+    one per change: a stream sends each, a non-streamed response joins them."""
     index: int                        # which of a server request's choices
     text: str                         # new text that is safe to send (may be "")
     token_ids: list                   # the new tokens
@@ -1303,7 +1307,8 @@ class ChatTemplate:
         self.template = env.from_string(source) if source else None  # None: no chat endpoint
         # older configs write a special token as {"content": "<s>", ...}
         tokens = {name: tokenizer_config.get(name) or "" for name in ("bos_token", "eos_token")}
-        self.special_tokens = {k: t["content"] if isinstance(t, dict) else t for k, t in tokens.items()}
+        self.special_tokens = {k: t["content"] if isinstance(t, dict) else t
+                               for k, t in tokens.items()}
 
     def render(self, messages: list) -> str:
         if self.template is None:
