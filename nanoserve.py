@@ -911,7 +911,8 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
 
     def prepare(self, batch: ScheduledBatch):
-        """Flatten the batch: token ids, positions and attention metadata, plus
+        """Flatten the batch: token ids (a host list: launch decides whether
+        they need copying), positions and attention metadata, plus
         the rows whose logits are sampled (the last token of each sequence
         that has no prompt tokens left to compute), those sequences' indices,
         and the rows whose input token is still on the device, with their
@@ -942,8 +943,8 @@ class ModelRunner:
             context_lens=self.to_device(context_lens, torch.int32),
             cu_seqlens_q=self.to_device(cu_seqlens, torch.int32),
             max_seqlen_q=max(batch.num_new_tokens), is_decode=batch.is_decode)
-        return (self.to_device(input_ids, torch.int64), self.to_device(positions, torch.int64),
-                meta, sample_rows, sample_seqs, pending)
+        positions = self.to_device(positions, torch.int64)                     # (N_tok,)
+        return input_ids, positions, meta, sample_rows, sample_seqs, pending
 
     def sampling_batch(self, seqs: list) -> SamplingBatch:
         params, V = [s.params for s in seqs], self.cfg.vocab_size
@@ -985,14 +986,16 @@ class ModelRunner:
         """Queue one step on the device and return without waiting for it.
         Input tokens that `prev` sampled and the host has not read yet are
         copied from prev's samples in device memory (see EngineCore.step)."""
-        input_ids, positions, meta, sample_rows, sample_seqs, pending = self.prepare(batch)
+        ids, positions, meta, sample_rows, sample_seqs, pending = self.prepare(batch)
         if pending and batch.is_decode and batch.seqs == prev.seqs:
             input_ids = prev.tokens   # a steady decode, same sequences in the same order: no copy
-        elif pending:
-            prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
-            rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
-            input_ids.index_copy_(0, self.to_device(rows, torch.int64),
-                                  prev.tokens[self.to_device(src, torch.int64)])
+        else:
+            input_ids = self.to_device(ids, torch.int64)                     # (N_tok,)
+            if pending:                   # the placeholders take prev's samples on the device
+                prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
+                rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
+                input_ids.index_copy_(0, self.to_device(rows, torch.int64),
+                                      prev.tokens[self.to_device(src, torch.int64)])
         if meta.is_decode and len(batch.seqs) <= max(self.graphs, default=0):
             hidden = self._replay_graph(input_ids, positions, meta)
         else:
