@@ -1375,7 +1375,7 @@ class FrontEnd:
         abort (it may compute one token past the stop; that one is dropped)."""
         now, changed = time.perf_counter(), {}
         for out in outputs:
-            state = self.states.get(out.request_id)        # None once it ended here
+            state = self.states.get(out.request_id)
             if state is None:                  # ended here already (stop string, abort)
                 continue
             changed[out.request_id] = state
