@@ -846,7 +846,7 @@ def serve(args, model_dir, hw):
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     log_path = Path(args.out_dir) / "serve.log"
     proc, url = start_server(args, model_dir, log_path)
-    points = []
+    points, all_at_once = [], None    # all_at_once: (payloads, served tok/s) of the rate-inf run
     try:
         model_name = wait_healthy(proc, url, log_path, args.startup_timeout)
         # Fresh prompts for every setting, so no setting is served from the prefix
@@ -874,7 +874,7 @@ def serve(args, model_dir, hw):
     finally:
         stop_server(proc)
     plot_serve(points, args.out_dir)
-    if math.inf in args.rates:
+    if all_at_once:
         serve_over_offline(args, model_dir, *all_at_once)
 
 
