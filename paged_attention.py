@@ -973,15 +973,14 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
     # -- decode rows --
     decode_seqs = [b for b, T in enumerate(q_lens) if T == 1]
     if decode_seqs:
-        rows = cu_seqlens_q[decode_seqs].long()
+        rows = cu_seqlens_q[decode_seqs].long()                  # (num_decode,) row of each
         out[rows] = paged_attention_decode_sdpa(q[rows], k_cache, v_cache,
                                                 block_tables[decode_seqs], context_lens[decode_seqs],
                                                 scale)
     # -- prefill chunks --
     for b in (b for b, T in enumerate(q_lens) if T > 1):
         T, L = q_lens[b], lens[b]
-        k, v = _read_kv(k_cache, v_cache, block_tables[b:b + 1], None, L, ragged=False)
-        # k, v: (1, n_kv, L, hd)
+        k, v = _read_kv(k_cache, v_cache, block_tables[b:b + 1], None, L, ragged=False)  # (1, n_kv, L, hd)
         mask = None
         if T < L:  # query j sits at position L - T + j: the diagonal is offset
             pos = torch.arange(L, device=q.device)
