@@ -1391,9 +1391,12 @@ class FrontEnd:
         self._detokenize([s for s in states if s.incremental and not s.error])
         stopped = []
         for state, num_old in zip(states, num_old_chars):
-            if state.finish_reason is None and self._truncate_at_stop_string(state, num_old):
+            # every token's text is checked, the last one's too: a stop string
+            # completed by the token that reaches max_tokens still ends in "stop"
+            if not state.error and self._truncate_at_stop_string(state, num_old):
+                if state.finish_reason is None:        # the engine core still runs it
+                    stopped.append(state.request_id)
                 state.finish_reason = "stop"
-                stopped.append(state.request_id)
             if state.finish_reason is not None:
                 del self.states[state.request_id]
                 state.finish_time = now

@@ -271,6 +271,19 @@ def test_stop_strings_and_tokens(smol_llm):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_stop_string_completed_by_the_last_token(smol_llm):
+    """Stop strings are checked on every token, the one that reaches
+    max_tokens too: a match there cuts the text and finishes with "stop"."""
+    prompt = "The capital of France is"
+    full = smol_llm.generate([prompt], ns.SamplingParams(temperature=0, max_tokens=5))[0]
+    assert full.text.endswith("he") and "he" not in smol_llm.front.decode(full.token_ids[:4]), \
+        f"the 5th token must complete the stop string for this test to mean anything: {full.text!r}"
+    out = smol_llm.generate([prompt], ns.SamplingParams(temperature=0, max_tokens=5, stop=["he"]))[0]
+    print(f"full {full.text!r}, cut {out.text!r}")
+    assert out.text == full.text[:full.text.index("he")] and out.finish_reason == "stop"
+    check_pool_is_free(smol_llm.engine)
+
+
 def test_token_id_prompts_and_order(smol_llm):
     ids = smol_llm.front.tokenizer.encode("The capital of France is").ids
     outs = smol_llm.generate(["def fibonacci(n):", ids], GREEDY)
@@ -1225,6 +1238,12 @@ def test_stop_string(client):
     print(f"full {full!r}, stop {stop!r}, cut {r.choices[0].text!r}")
     assert r.choices[0].text == full[:full.index(stop)] == text
     assert stop not in text and r.choices[0].finish_reason == "stop" and finish == ["stop"]
+    # completed by the token that reaches max_tokens: still cut, still "stop"
+    kw = {**GREEDY_REQUEST, "prompt": "The capital of France is", "max_tokens": 5, "stop": "he"}
+    r = client.completions.create(**kw).choices[0]
+    text, finish, _, _ = stream_completion(client, **kw)
+    print(f"stop 'he' at the last token: {r.text!r}, streamed {text!r}")
+    assert r.text == text == " Paris.\n\nT" and r.finish_reason == "stop" and finish == ["stop"]
 
 
 def test_stop_string_across_tokens(client, engine):
