@@ -287,7 +287,9 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     return torch.where(medium, blended, scaled).float()        # (hd/2,)
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by their position; cos/sin tables are precomputed."""
+    """cos and sin of every position times every channel pair's frequency,
+    precomputed. The rotation itself (pa.rope_ref) is done by the attention's
+    rope_store, which on the GPU also writes k and v to the KV pool."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -295,20 +297,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, rope_inv_freq(cfg))             # (max_model_len, hd/2)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions, q, k):      # (N_tok,), (N_tok, n_heads, hd), (N_tok, n_kv, hd)
-        return apply_rope(positions, q, k, self.cos, self.sin)
-
-@fused_on_cuda
-def apply_rope(positions, q, k, cos_table, sin_table):
-    cos = cos_table[positions].unsqueeze(1)                    # (N_tok, 1, hd/2)
-    sin = sin_table[positions].unsqueeze(1)                # (N_tok, 1, hd/2)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-def _rotate(x, cos, sin):
-    # The "rotate half" layout of transformers: channel i pairs with i + hd/2.
-    x1, x2 = x.float().chunk(2, dim=-1)                    # (N_tok, heads, hd/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 @dataclass
 class AttentionMetadata:
@@ -324,18 +312,6 @@ class AttentionMetadata:
     cu_seqlens_q: Optional[torch.Tensor]  # (B+1,) int32, start of each sequence in N_tok
     max_seqlen_q: int                 # longest run of new tokens of one sequence
     is_decode: bool                   # every sequence brings exactly one new token
-
-# The attention implementations, with identical signatures: the Triton
-# kernels read the paged cache directly; the CPU path (sdpa) gathers it and
-# calls torch's fused attention once per step's decodes and per prefill chunk;
-# the plain torch references, one sequence at a time, are what both are tested against.
-ATTENTION_OPS = {
-    "triton": (pa.store_kvcache, pa.paged_attention_prefill, pa.paged_attention_decode),
-    "sdpa": (pa.store_kvcache_sdpa, pa.paged_attention_prefill_sdpa,
-             pa.paged_attention_decode_sdpa),
-    "torch": (pa.store_kvcache_ref, pa.paged_attention_prefill_ref,
-              pa.paged_attention_decode_ref),
-}
 
 @fused_on_cuda
 def silu_and_mul(gate_up):                                     # (N_tok, 2 I)
@@ -369,8 +345,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.scale = self.hd ** -0.5                       # softmax(q k^T / sqrt(hd))
-        self.store, self.prefill, self.decode = ATTENTION_OPS[cfg.attention]
-        self.fused = cfg.attention == "triton"   # the Triton GEMV and RoPE-in-store too
+        # the Triton kernels read the paged pool directly; the CPU path (sdpa)
+        # gathers it for torch's flash attention; the plain torch references
+        # are what both are tested against (see pa.ATTENTION)
+        self.rope_store, self.attend = pa.ATTENTION[cfg.attention]
+        self.fused = cfg.attention == "triton"   # the Triton GEMV too
         # This layer's slice of the KV pool, set by ModelRunner.allocate_kv_cache.
         self.k_cache = self.v_cache = None    # (num_blocks, block_size, n_kv, hd)
 
@@ -379,22 +358,11 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = linear(x, self.qkv_proj.weight, self.fused, norm=norm)
         q, k, v = (t.view(n, -1, self.hd) for t in qkv.split(self.split_sizes, dim=-1))
-        # Write this step's K/V into the pool first: attention then reads every
-        # key, old and new, from one place. The Triton path rotates q and k by
-        # their positions in the same pass.
-        if self.fused:
-            pa.rope_store_kvcache(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                  positions, rope.cos, rope.sin)
-        else:
-            q, k = rope(positions, q, k)                       # (N_tok, n_heads or n_kv, hd)
-            self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.is_decode:
-            o = self.decode(q, self.k_cache, self.v_cache, meta.block_tables,
-                            meta.context_lens, self.scale)
-        else:
-            o = self.prefill(q, self.k_cache, self.v_cache, meta.block_tables,
-                             meta.cu_seqlens_q, meta.context_lens, meta.max_seqlen_q,
-                             self.scale)
+        # Rotate q and k by their positions, and write this step's K/V into the
+        # pool first: attention then reads every key, old and new, from one place.
+        self.rope_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, positions,
+                        rope.cos, rope.sin)
+        o = self.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # (N_tok, n_heads, hd)
         return linear(o.reshape(n, self.n_heads * self.hd), self.o_proj.weight, self.fused,
                       residual=residual)                       # (N_tok, D)
 

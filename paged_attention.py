@@ -13,6 +13,8 @@ owns in order. This file holds the kernels that touch that pool:
     paged_attention_prefill  many query tokens per sequence, causal, varlen;
                              also serves chunked prefill and decode rows
     rope_store_kvcache       RoPE on q and k fused into store_kvcache
+    ATTENTION                which of these (or of the torch versions) the
+                             engine calls: one (rope_store, attend) pair each
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
@@ -846,15 +848,19 @@ def _rope_store_kvcache_kernel(
     tl.store(v_cache_ptr + offs_cache + HALF, v2, mask=mask)
 
 
-def rope_store_kvcache_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin):
+def rope_ref(x, positions, cos, sin):
+    """x (N_tok, heads, hd) rotated by each token's position, in fp32: the
+    "rotate half" layout of transformers, channel i paired with i + hd/2.
+    This is the model's own rotation; the CPU path runs it."""
     cos, sin = cos[positions][:, None], sin[positions][:, None]  # (N_tok, 1, hd/2)
+    x1, x2 = x.float().chunk(2, dim=-1)  # (N_tok, heads, hd/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    def rotate(x):
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    q.copy_(rotate(q))
-    store_kvcache_ref(rotate(k), v, k_cache, v_cache, slot_mapping)
+def rope_store_kvcache_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
+                           store=store_kvcache_ref):
+    q.copy_(rope_ref(q, positions, cos, sin))
+    store(rope_ref(k, positions, cos, sin), v, k_cache, v_cache, slot_mapping)
 
 
 def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin):
@@ -990,3 +996,32 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
                                            enable_gqa=True)  # (1, n_heads, T, hd)
         out[cu[b]:cu[b + 1]] = o[0].transpose(0, 1)
     return out
+
+
+# ----------------------------------------------------------------------------
+# The engine's choice of implementation
+# nanoserve's Attention layer calls one (rope_store, attend) pair with the same
+# signatures whichever implementation runs: rope_store rotates q in place and
+# writes the rotated k and v into the pool; attend reads the pool through the
+# step's AttentionMetadata, as decode when every sequence brings one token.
+
+
+def _attend_with(decode, prefill):
+    def attend(q, k_cache, v_cache, meta, scale):
+        if meta.is_decode:
+            return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                       meta.context_lens, meta.max_seqlen_q, scale)
+    return attend
+
+
+ATTENTION = {
+    # the Triton kernels: rotation and store in one launch, then flash-decoding or varlen prefill
+    "triton": (rope_store_kvcache, _attend_with(paged_attention_decode, paged_attention_prefill)),
+    # the CPU path: torch's flash attention over K/V read from the pool
+    "sdpa": (functools.partial(rope_store_kvcache_ref, store=store_kvcache_sdpa),
+             _attend_with(paged_attention_decode_sdpa, paged_attention_prefill_sdpa)),
+    # the plain references, one sequence at a time: what both are tested against
+    "torch": (rope_store_kvcache_ref,
+              _attend_with(paged_attention_decode_ref, paged_attention_prefill_ref)),
+}

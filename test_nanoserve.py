@@ -165,7 +165,7 @@ def test_layers_match_transformers(which, request):
     q = torch.randn(T, cfg.num_heads, cfg.head_dim)
     k = torch.randn(T, cfg.num_kv_heads, cfg.head_dim)
     q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    q_me, k_me = ours.rope(positions, q, k)
+    q_me, k_me = (pa.rope_ref(x, positions, ours.rope.cos, ours.rope.sin) for x in (q, k))
     assert_close("RoPE q", q_me, q_ref[0].transpose(0, 1), 1e-5)
     assert_close("RoPE k", k_me, k_ref[0].transpose(0, 1), 1e-5)
     attn_ref = them.self_attn(x[None], position_embeddings=(cos, sin), attention_mask=mask)[0][0]
@@ -899,17 +899,22 @@ def test_rope_store_kvcache(device, dtype, n_heads, n_kv, hd):
     slot_mapping, k_cache, v_cache = random_pool(num_blocks, block_size, n_kv, hd, N_tok, 2,
                                                  dtype, device, gen)
     k_ref, v_ref, q_ref = k_cache.clone(), v_cache.clone(), q.clone()
-    # the reference rotation is the model's own (checked against transformers)
-    q_model, k_model = ns.apply_rope(positions.cpu(), q.cpu(), k.cpu(), cos.cpu(), sin.cpu())
+    # the reference rotation against transformers' own, on the same tables
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    full = lambda t: torch.cat((t, t), dim=-1)[positions.cpu()][None]  # noqa: E731
+    q_model, k_model = (x[0].transpose(0, 1) for x in apply_rotary_pos_emb(
+        q.cpu().float().transpose(0, 1)[None], k.cpu().float().transpose(0, 1)[None],
+        full(cos.cpu()), full(sin.cpu())))                 # (N_tok, heads, hd) each, fp32
     pa.rope_store_kvcache_ref(q_ref, k, v, k_ref, v_ref, slot_mapping, positions, cos, sin)
-    assert torch.equal(q_ref.cpu(), q_model)
+    compare(q_ref.cpu(), q_model, dtype, "reference rotation of q against transformers")
     k_before = k_cache.clone()
     pa.rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin)
     compare(q, q_ref, dtype, "rotated q")
     compare(k_cache, k_ref, dtype, "rotated k in the pool")
     assert torch.equal(v_cache, v_ref)
     valid = slot_mapping >= 0
-    assert torch.equal(k_ref.view(-1, n_kv, hd)[slot_mapping[valid]].cpu(), k_model[valid.cpu()])
+    compare(k_ref.view(-1, n_kv, hd)[slot_mapping[valid]].cpu(), k_model[valid.cpu()], dtype,
+            "reference rotation of k against transformers")
     changed = (k_cache != k_before).flatten(2).any(-1).flatten()  # (num_blocks * block_size,)
     assert changed.nonzero().flatten().sort().values.tolist() == \
         slot_mapping[valid].sort().values.tolist(), "exactly the valid slots are written"
