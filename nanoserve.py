@@ -36,7 +36,6 @@ import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, hmac, j
 import multiprocessing, os, queue, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -501,9 +500,10 @@ class SamplingBatch:
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
     """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token)."""
-    (rows, ids), (bias, rep, sub) = edits      # (2, N) int64, (3, N) fp32
+    (rows, ids), (bias, repetition, penalty) = edits   # (2, N) int64, (3, N) fp32
     x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
-    x = torch.where(x < 0, x * rep, x / rep) - sub   # transformers' repetition rule, then OpenAI's
+    x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
+    x = x - penalty                            # then OpenAI's presence and frequency penalties
     return logits.index_put((rows, ids), x)
 
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
@@ -630,11 +630,6 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 # the pool runs dry, the most recently admitted sequence is preempted: its
 # blocks are freed and it is recomputed from its tokens later.
 
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache
     blocks and progress."""
@@ -648,16 +643,31 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        # Tokens sampled for this sequence that are still on the device: a
-        # step launched before they are read back (async scheduling) takes
-        # them straight from device memory. 1 whenever a step is scheduled.
+        # -- the pending token, the whole of its life (async scheduling) --
+        # Step N+1 is launched before step N's tokens are read back, so a token
+        # sampled for this sequence may exist only in device memory.
+        #   counted:   EngineCore._launch adds 1 for each sequence that samples
+        #              in the step it launches;
+        #   used:      Scheduler.schedule counts it as a token to compute (the
+        #              input of the next step), and _ends_when_read skips a
+        #              sequence whose pending token is its last;
+        #   stood in:  ModelRunner.prepare puts a placeholder 0 in its input row;
+        #   filled in: ModelRunner.launch copies it there from the previous
+        #              step's samples, on the device;
+        #   resolved:  EngineCore._commit appends it to token_ids (or drops it if
+        #              the sequence ended meanwhile) and takes the 1 off.
+        # When schedule runs it is 0 or 1: 0 after a non-final prefill chunk
+        # (which samples nothing), after a step that was read back first
+        # (LaunchedStep.needs_host_tokens), and for a waiting sequence; it is 2
+        # only between a _launch and the _commit of the step before. So
+        # num_computed_tokens runs ahead of len(token_ids) by this count.
         self.num_pending_tokens = 0
-        self.status, self.finish_reason = Status.WAITING, None
+        self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
         self.prompt_logprobs: list = []  # (logprob, {token: logprob}) of prompt tokens 1, 2, ...
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
-    is_finished = property(lambda self: self.status == Status.FINISHED)
+    is_finished = property(lambda self: self.status == "finished")
 
 @dataclass
 class ScheduledBatch:
@@ -679,8 +689,9 @@ class Scheduler:
         num_preemptions_before = self.num_preemptions
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
-            if seq.status != Status.RUNNING or budget == 0 or self._ends_when_read(seq):
+            if seq.status != "running" or budget == 0 or self._ends_when_read(seq):
                 continue                       # preempted below, no budget, or done
+            # a pending token is computed like any other (see Sequence)
             n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             if self._reserve_blocks(seq, n):
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
@@ -698,15 +709,15 @@ class Scheduler:
             self._reserve_blocks(seq, n)
             self.waiting.popleft()
             self._count_prefix_hits(seq)
-            seq.status = Status.RUNNING
+            seq.status = "running"
             self.running.append(seq)
             batch.seqs.append(seq), batch.num_new_tokens.append(n)
             budget -= n
         return batch
 
     def _ends_when_read(self, seq: Sequence) -> bool:
-        """True if the token still on the device is seq's last by length, so
-        that no step after it is worth launching."""
+        """True if seq's pending token is its last by length, so that no step
+        after it is worth launching."""
         num_tokens = seq.num_tokens + seq.num_pending_tokens
         return seq.num_pending_tokens > 0 and (
             num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
@@ -732,7 +743,7 @@ class Scheduler:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue first."""
         self.running.remove(seq)
         self._free_blocks(seq)
-        seq.status = Status.WAITING
+        seq.status = "waiting"
         self.waiting.appendleft(seq)               # first in line: it was admitted before the rest
         self.num_preemptions += 1
 
@@ -788,7 +799,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free_blocks(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.status, seq.finish_reason = "finished", reason
 
 
 # ---------------------------------------------------------------------------
@@ -796,6 +807,16 @@ class Scheduler:
 # Turns a scheduled batch into flat tensors, runs the model and samples. On
 # CUDA, decode steps replay a CUDA graph captured for the next larger batch
 # size, which removes the per-kernel launch cost that dominates small steps.
+
+@dataclass
+class StepInputs:
+    """A scheduled batch flattened for one forward pass (ModelRunner.prepare)."""
+    input_ids: list                   # (N_tok,) host ints: launch decides if they are copied
+    positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
+    meta: AttentionMetadata
+    sample_rows: list                 # rows whose logits are sampled: each sequence's last
+    sample_seqs: list                 # token, once no prompt is left; those sequences' indices
+    pending: list                     # (row, seq) for each input that is a pending token
 
 @dataclass
 class LaunchedStep:
@@ -878,20 +899,15 @@ class ModelRunner:
         t = torch.as_tensor(np.asarray(data), dtype=dtype)     # pinned: the copy does not wait
         return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
 
-    def prepare(self, batch: ScheduledBatch):
-        """Flatten the batch: token ids (a host list: launch decides whether
-        they need copying), positions and attention metadata, plus
-        the rows whose logits are sampled (the last token of each sequence
-        that has no prompt tokens left to compute), those sequences' indices,
-        and the rows whose input token is still on the device, with their
-        sequence (a placeholder 0 stands in for it here)."""
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Flatten the batch: every sequence's new tokens one after another."""
         bs, input_ids, positions, slots = self.cfg.block_size, [], [], []
         context_lens, cu_seqlens, sample_rows, sample_seqs, pending = [], [0], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[start:end]
-            if end > seq.num_tokens:               # the pending token is the last input
-                input_ids.append(0)
+            if end > seq.num_tokens:     # the pending token is the last input (see Sequence)
+                input_ids.append(0)                # a placeholder, filled in by launch
                 pending.append((cu_seqlens[-1] + n - 1, seq))
             positions += range(start, end)
             table = seq.block_table
@@ -911,8 +927,8 @@ class ModelRunner:
             context_lens=self.to_device(context_lens, torch.int32),
             cu_seqlens_q=self.to_device(cu_seqlens, torch.int32),
             max_seqlen_q=max(batch.num_new_tokens), is_decode=batch.is_decode)
-        positions = self.to_device(positions, torch.int64)                     # (N_tok,)
-        return input_ids, positions, meta, sample_rows, sample_seqs, pending
+        return StepInputs(input_ids, self.to_device(positions, torch.int64), meta,
+                          sample_rows, sample_seqs, pending)
 
     def sampling_batch(self, seqs: list) -> SamplingBatch:
         params, V = [s.params for s in seqs], self.cfg.vocab_size
@@ -930,50 +946,58 @@ class ModelRunner:
             logit_edits=self.logit_edits(seqs))
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
-        """apply_logit_edits' entries, the tokens counted on the host: EngineCore
-        reads a penalized row's last token back before it launches the next."""
+        """apply_logit_edits' entries: for each row with a bias or a penalty, one
+        entry per distinct token that has either. The tokens are counted on the
+        host (so EngineCore reads a penalized row's last token back before it
+        launches the next step), with numpy: a Python loop over a long
+        prompt's tokens would cost milliseconds per step."""
         entries = []                                           # (5, n) per edited row
         for row, seq in enumerate(seqs):
             p = seq.params
             if not p.logit_bias and not p.needs_output_history:
                 continue                   # the common case: two checks per row
-            hist = seq.token_ids if p.repetition_penalty != 1 else seq.token_ids[seq.num_prompt_tokens:]
-            ids, inv = np.unique([*hist, *p.logit_bias], return_inverse=True)  # distinct, sorted
-            n = np.bincount(inv[len(hist) - seq.num_output_tokens:len(hist)], minlength=len(ids))
-            bias = np.bincount(inv[len(hist):], list(p.logit_bias.values()), len(ids))
-            entries.append(np.stack([np.full(len(ids), row), ids, bias,
-                                     np.where(np.isin(ids, hist), p.repetition_penalty, 1.0),
-                                     n * p.frequency_penalty + (n > 0) * p.presence_penalty]))
+            # the tokens the repetition penalty looks at (prompt too), or just the output
+            seen = seq.token_ids if p.repetition_penalty != 1 else seq.token_ids[seq.num_prompt_tokens:]
+            # ids: each distinct token of `seen` and of logit_bias; at[i]: where in
+            # ids the i-th of them is (the output is the tail of `seen`)
+            ids, at = np.unique([*seen, *p.logit_bias], return_inverse=True)
+            times_generated = np.bincount(at[len(seen) - seq.num_output_tokens:len(seen)],
+                                          minlength=len(ids))
+            bias = np.bincount(at[len(seen):], list(p.logit_bias.values()), len(ids))
+            repetition = np.where(np.isin(ids, seen), p.repetition_penalty, 1.0)
+            penalty = (times_generated * p.frequency_penalty
+                       + (times_generated > 0) * p.presence_penalty)
+            entries.append(np.stack([np.full(len(ids), row), ids, bias, repetition, penalty]))
         if entries:
-            e = np.concatenate(entries, axis=1)                # (5, N): row, token, bias, rep, sub
+            e = np.concatenate(entries, axis=1)   # (5, N): row, token, bias, repetition, penalty
             return self.to_device(e[:2], torch.int64), self.to_device(e[2:], torch.float32)
 
     # -- forward and sample --
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"] = None) -> "LaunchedStep":
         """Queue one step on the device and return without waiting for it.
-        Input tokens that `prev` sampled and the host has not read yet are
-        copied from prev's samples in device memory (see EngineCore.step)."""
-        ids, positions, meta, sample_rows, sample_seqs, pending = self.prepare(batch)
+        Pending tokens (see Sequence) are filled in from prev's samples."""
+        inputs = self.prepare(batch)
+        pending, meta = inputs.pending, inputs.meta
         if pending and batch.is_decode and batch.seqs == prev.seqs:
             input_ids = prev.tokens   # a steady decode, same sequences in the same order: no copy
         else:
-            input_ids = self.to_device(ids, torch.int64)                     # (N_tok,)
+            input_ids = self.to_device(inputs.input_ids, torch.int64)          # (N_tok,)
             if pending:                   # the placeholders take prev's samples on the device
                 prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
                 rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
                 input_ids.index_copy_(0, self.to_device(rows, torch.int64),
                                       prev.tokens[self.to_device(src, torch.int64)])
         if meta.is_decode and len(batch.seqs) <= max(self.graphs, default=0):
-            hidden = self._replay_graph(input_ids, positions, meta)
+            hidden = self._replay_graph(input_ids, inputs.positions, meta)
         else:
-            hidden = self.model(input_ids, positions, meta)     # (N_tok, D)
+            hidden = self.model(input_ids, inputs.positions, meta)     # (N_tok, D)
         self.compute_prompt_logprobs(batch, hidden)
-        seqs = [batch.seqs[i] for i in sample_seqs]        # those that sample this step
+        seqs = [batch.seqs[i] for i in inputs.sample_seqs]   # those that sample this step
         if not seqs:                            # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None, [], None)
-        if len(sample_rows) < hidden.shape[0]:   # skip the rows of prefill tokens
-            hidden = hidden.index_select(0, self.to_device(sample_rows, torch.int64))
+        if len(seqs) < hidden.shape[0]:         # skip the rows of prefill tokens
+            hidden = hidden.index_select(0, self.to_device(inputs.sample_rows, torch.int64))
         logits = self.model.compute_logits(hidden)               # (B, V)
         sampling = self.sampling_batch(seqs)
         tokens, logprobs = sample(logits, sampling)
@@ -1119,11 +1143,12 @@ class EngineCore:
 
         Async scheduling: while the device runs step N, the host already
         schedules and launches step N+1, whose sequences take step N's samples
-        straight from device memory (Sequence.num_pending_tokens), and only
-        then waits for step N's tokens. The host's bookkeeping then hides
+        straight from device memory (their pending tokens: see Sequence), and
+        only then waits for step N's tokens. The host's bookkeeping then hides
         behind the device's work. New requests join step N+1 like any other.
-        The one exception is a step with repetition penalties: the next step's
-        penalties need its tokens on the host, so it is read back first."""
+        The one exception is a step with a penalized row (repetition, presence
+        or frequency penalty: LaunchedStep.needs_host_tokens): the next step's
+        penalties count its tokens on the host, so it is read back first."""
         if self.launched is None:
             self.launched = self._launch(prev=None)
             if self.launched is None:
@@ -1140,7 +1165,7 @@ class EngineCore:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n        # their K/V are on the way into the cache
         for seq in step.seqs:
-            seq.num_pending_tokens += 1         # its token is on the way to the host
+            seq.num_pending_tokens += 1         # sampled, not yet read (see Sequence)
         return step
 
     def _commit(self, step: LaunchedStep) -> list:
@@ -1151,7 +1176,7 @@ class EngineCore:
         tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
         outputs = []
         for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
-            seq.num_pending_tokens -= 1                    # it has arrived
+            seq.num_pending_tokens -= 1         # read: no longer pending (see Sequence)
             if seq.is_finished:                 # aborted, or ended by the step before
                 continue
             seq.token_ids.append(token)
@@ -1187,7 +1212,7 @@ class EngineCore:
         """After a step raised: end every request that was in it with an error
         and free its blocks; the engine core itself goes on."""
         self.launched = None
-        failed = [s for s in self.seqs.values() if s.status == Status.RUNNING]
+        failed = [s for s in self.seqs.values() if s.status == "running"]
         for seq in failed:
             self.abort_request(seq.request_id)
         return [EngineCoreOutput(s.request_id, None, finish_reason="error",
