@@ -32,19 +32,22 @@ turns them into text for the HTTP stream.
 
 from __future__ import annotations
 
-import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, hmac, json, math
+import argparse, asyncio, contextlib, dataclasses, faulthandler, hmac, json, math
 import multiprocessing, os, queue, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import jinja2.sandbox                    # also binds jinja2
 import numpy as np
+import prometheus_client
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import uvicorn
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -89,8 +92,8 @@ class Config:
     max_num_seqs: int = _flag(256, "most sequences in one step")
     max_num_batched_tokens: int = _flag(8192, "token budget of one step (prefill chunks + decodes)")
     max_model_len: int = _flag(0, "longest prompt + completion (0: the model's limit)")
-    enable_prefix_caching: bool = _flag(True, "turn off prefix caching (the reuse of the KV blocks "
-                                        "of prompts seen before)", "--no-prefix-caching")
+    enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompts seen before",
+                                        "--no-prefix-caching")
     enforce_eager: bool = _flag(False, "no CUDA graphs (they are only used on cuda)")
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     # -- server settings --
@@ -324,8 +327,9 @@ def linear(x, weight, fused: bool, norm: Optional[RMSNorm] = None, silu_mul: boo
     Prologue/epilogue fusion: at batch-1 decode (pa.GEMV_MAX_ROWS) a matmul is
     one read of the weight, and a norm, activation or add of its own costs a
     launch and a wait (~1.5 us) for almost no bytes. The Triton GEMV applies f
-    to x as it streams in and adds the residual on the way out, so a layer is
-    7 kernels instead of 13. Larger batches take cuBLAS and separate steps."""
+    to x as it streams in and adds the residual on the way out: five launches
+    fewer per layer (two norms, SiLU-and-mul, two adds), 7 where there were
+    12. Larger batches take cuBLAS and separate steps."""
     if fused and x.is_cuda and x.shape[0] <= pa.GEMV_MAX_ROWS:
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         return pa.gemv(x, weight, norm_weight, eps, silu_mul, residual)
@@ -1035,8 +1039,9 @@ class ModelRunner:
     # -- CUDA graphs --
     @torch.no_grad()
     def capture_cuda_graphs(self):
-        """Capture the decode forward for batch sizes 1, 2, 4, 8, 16, 32, ...;
-        a step pads its batch up to the next captured size."""
+        """Capture the decode forward for batch sizes 1, 2, 4, 8, then every
+        multiple of 16 up to max_num_seqs; a step pads its batch up to the
+        next captured size."""
         max_bs = self.cfg.max_num_seqs
         sizes = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
         dev = self.device
@@ -1478,9 +1483,11 @@ class LLM:
 # Behind the server the engine core runs in a process of its own, in that
 # process's main thread, so that no per-request Python work (JSON, SSE,
 # detokenizing) competes with the step loop for the GIL. Two pipes join it to
-# the server: EngineCoreRequests and aborts go in, one EngineCoreOutputs per
-# step comes out. Nothing else crosses. Both ends are here: the engine core's
-# loop (run_engine_core, in its process) and EngineCoreClient (in the
+# the server. In: a list of EngineCoreRequests, or an EngineCoreAbort. Out:
+# once, the engine core's stats when it is ready (or a string saying why it
+# failed to start), then one EngineCoreOutputs per step. The server closing
+# its end of the inbox stops the engine core. Both ends are here: the engine
+# core's loop (run_engine_core, in its process) and EngineCoreClient (in the
 # server's), which hands each step's outputs to the waiting HTTP handlers.
 
 @dataclass
@@ -1504,24 +1511,22 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         outbox.send(f"the engine core failed to start: {e}")
         return
     outbox.send(EngineCoreOutputs([], core.stats()))         # ready
-    # Two threads move messages between the pipes and queues, so that the
-    # step loop never waits on the server: one drains the inbox as requests
-    # arrive, one sends the outputs, several steps' worth at once when the
-    # server reads slower than the engine steps. (A loop that sent and
-    # received itself would stall whenever the server is busy, and two full
-    # pipes would deadlock.)
-    inbox_queue, outbox_queue = queue.Queue(), queue.Queue()
-    threading.Thread(target=_drain, args=(inbox, inbox_queue), daemon=True).start()
+    # The outputs go out from a thread of their own, so that the step loop
+    # never waits on the server: several steps' worth at once when the server
+    # reads slower than the engine steps. (Were the loop to send itself, it
+    # would stall whenever the server is busy, and with both pipes full the
+    # two processes would wait on each other.)
+    outbox_queue = queue.Queue()
     threading.Thread(target=_send_outputs, args=(outbox_queue, outbox), daemon=True).start()
     while True:
-        # Block only when idle; while sequences run, take what has arrived.
-        messages = [] if core.has_unfinished() else [inbox_queue.get()]
-        while not inbox_queue.empty():
-            messages.append(inbox_queue.get_nowait())
+        try:   # block only when idle; while sequences run, take what has arrived
+            messages = [] if core.has_unfinished() else [inbox.recv()]
+            while inbox.poll():
+                messages.append(inbox.recv())
+        except (EOFError, OSError):           # the server closed its end, or is gone
+            return
         outputs = []
         for message in messages:
-            if message is None:               # the server stopped, or is gone
-                return
             if isinstance(message, EngineCoreAbort):
                 for request_id in message.request_ids:
                     core.abort_request(request_id)
@@ -1540,19 +1545,10 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
                 outputs += core.fail_running(e)
         outbox_queue.put(EngineCoreOutputs(outputs, core.stats()))
 
-def _drain(inbox, inbox_queue: queue.Queue):
-    """The inbox thread of the engine core process: pipe -> queue, as fast as
-    requests arrive, so that the server never blocks on a full pipe."""
-    try:
-        while True:
-            inbox_queue.put(inbox.recv())
-    except (EOFError, OSError):               # the server is gone: tell the loop
-        inbox_queue.put(None)
-
 def _send_outputs(outbox_queue: queue.Queue, outbox):
     """The outbox thread: queue -> pipe. Steps queued while a send waited on
     the server go out as one message, so a slow reader costs sends, not steps."""
-    with contextlib.suppress(OSError):        # the server is gone; _drain tells the loop
+    with contextlib.suppress(OSError):        # the server is gone; the loop sees EOF
         while True:
             messages = [outbox_queue.get()]
             while not outbox_queue.empty():
@@ -1562,25 +1558,6 @@ def _send_outputs(outbox_queue: queue.Queue, outbox):
 
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
-
-class Histogram:
-    """A Prometheus histogram: a count per bucket (upper bound `le`), a sum and a
-    total. Only the event loop touches it, so it needs no lock."""
-
-    def __init__(self, name: str, buckets: list):
-        self.name, self.buckets = name, buckets
-        self.counts, self.sum = [0] * (len(buckets) + 1), 0.0    # the last is le="+Inf"
-
-    def observe(self, seconds: float):
-        self.counts[bisect.bisect_left(self.buckets, seconds)] += 1  # first le >= seconds
-        self.sum += seconds
-
-    def render(self) -> list:
-        lines, cumulative = [f"# TYPE {self.name} histogram"], 0
-        for le, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
-            cumulative += n           # a bucket counts everything <= le
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
-        return lines + [f"{self.name}_sum {self.sum}", f"{self.name}_count {cumulative}"]
 
 class EngineCoreClient:
     """The server's side of the engine core: it starts the process, sends it
@@ -1608,10 +1585,19 @@ class EngineCoreClient:
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
         self.front = FrontEnd(cfg, self.stats["num_blocks"])  # the pool's size bounds a request
         self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
-        self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
-                              [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
-        self.itl = Histogram("nanoserve_inter_token_latency_seconds",
-                             [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10])
+        # Sends go through one worker thread, in order, so that the event loop
+        # never blocks on a full pipe while the engine core is in a step.
+        self.sender = ThreadPoolExecutor(max_workers=1)
+        # /metrics: the latency histograms are observed here, on the event
+        # loop; the engine core's counters are read at each scrape (collect).
+        self.metrics = prometheus_client.CollectorRegistry()
+        self.metrics.register(self)
+        self.ttft = prometheus_client.Histogram(
+            "nanoserve_time_to_first_token_seconds", "time from arrival to first token",
+            buckets=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30], registry=self.metrics)
+        self.itl = prometheus_client.Histogram(
+            "nanoserve_inter_token_latency_seconds", "gap between tokens, 0 within a chunk",
+            buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10], registry=self.metrics)
 
     def attach(self, loop: asyncio.AbstractEventLoop):
         """Start handing outputs to `loop`. A thread of ours waits on the pipe:
@@ -1621,8 +1607,8 @@ class EngineCoreClient:
         threading.Thread(target=self._receive, name="engine-core-outputs", daemon=True).start()
 
     def shutdown(self):
-        with contextlib.suppress(OSError):
-            self.inbox.send(None)
+        self.sender.submit(self.inbox.close)   # after the sends queued before: EOF over there
+        self.sender.shutdown()
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
@@ -1640,8 +1626,7 @@ class EngineCoreClient:
         try:
             if self.error:                          # died since the handler checked
                 self._fail_all()
-            with contextlib.suppress(OSError):      # a dead process: _receive says so
-                self.inbox.send(requests)
+            self.sender.submit(self.inbox.send, requests)   # a dead process: _receive says so
             while unfinished:
                 state = await changed.get()
                 if state.request_id in unfinished:  # else a late repeat of a finished one
@@ -1655,8 +1640,7 @@ class EngineCoreClient:
 
     def _abort(self, request_ids: list):
         if request_ids and not self.error:
-            with contextlib.suppress(OSError):
-                self.inbox.send(EngineCoreAbort(request_ids))
+            self.sender.submit(self.inbox.send, EngineCoreAbort(request_ids))
 
     def _receive(self):
         """The receiving thread: it blocks on the pipe (without the GIL) and
@@ -1697,6 +1681,23 @@ class EngineCoreClient:
             for _ in range(num_new - 1):
                 self.itl.observe(0.0)
             state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
+
+    def collect(self):
+        """The engine core's gauges and counters for /metrics, from the stats
+        of its latest step (prometheus_client calls this at each scrape)."""
+        s, gauge, counter = self.stats, GaugeMetricFamily, CounterMetricFamily
+        for family, name, value, help in [
+                (gauge, "requests_running", s["num_running"], "sequences being run"),
+                (gauge, "requests_waiting", s["num_waiting"], "sequences waiting for a seat"),
+                (gauge, "kv_blocks_used", s["num_blocks"] - s["num_free_blocks"], "KV blocks held"),
+                (gauge, "kv_blocks_total", s["num_blocks"], "KV blocks in the pool"),
+                (gauge, "kv_blocks_cached", s["num_cached_blocks"], "free, prefix kept"),
+                (counter, "generated_tokens", s["num_generated_tokens"], "tokens sampled"),
+                (counter, "prompt_tokens", s["num_prompt_tokens"], "prompt tokens admitted"),
+                (counter, "prefix_cache_hit_tokens", s["num_cached_tokens"], "of those, cached"),
+                (gauge, "prefix_cache_hit_rate", s["prefix_cache_hit_rate"], "their share"),
+                (counter, "preemptions", s["num_preemptions"], "sequences preempted")]:
+            yield family(f"nanoserve_{name}", help, value=value)   # counters get "_total"
 
     def _engine_died(self):
         """Every request in flight ends with an error; /health turns 503."""
@@ -1927,12 +1928,17 @@ class _Shape:
                 yield sse(APIError(500, f"internal error: {e!r}", "internal_error").body)
         yield "data: [DONE]\n\n"
 
-    async def collect(self, chunks) -> dict:
+    async def collect(self, chunks, request: Request) -> Optional[dict]:
         """A non-streamed response: each choice's chunks joined (_fold), and a
-        stream's "delta" is then the whole "message"."""
+        stream's "delta" is then the whole "message". None if the client hangs
+        up first: uvicorn does not cancel a handler whose client has left, so
+        each chunk asks, and closing `chunks` aborts the request (its KV
+        blocks are freed at the next step, not after max_tokens)."""
         choices = {}                                       # index -> the whole choice so far
         async with contextlib.aclosing(chunks):
             async for choice in chunks:
+                if await request.is_disconnected():
+                    return None
                 _fold(choices.setdefault(choice["index"], {}), choice)
         for c in choices.values():
             if "delta" in c:
@@ -2017,34 +2023,13 @@ class _EventStream(StreamingResponse):
     the response when the client disconnects; if that lands between two chunks
     the generator would wait for the garbage collector, and only closing it
     runs its `finally` (which aborts the request) now."""
-
-    def __init__(self, body):
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+    media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-
-async def _unless_disconnected(request: Request, work):
-    """Await `work`, but cancel it if the client hangs up first (None then).
-    uvicorn does not cancel a handler whose client has left, so without this a
-    non-streamed request would hold its KV blocks until max_tokens."""
-    async def disconnected():         # the body is read: what comes next is the hang-up
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-    finally:                          # also when this handler itself is cancelled
-        watch.cancel()
-        task.cancel()                 # a no-op once it is done
-        # a cancelled task is only marked cancelled once it has run its
-        # cancellation: wait for that before asking it for a result
-        await asyncio.wait([task, watch])
-    return None if task.cancelled() else task.result()
 
 # -- the app --
 
@@ -2098,21 +2083,8 @@ class OpenAIServer:
                             {"object": "list", "data": [card]})
 
     async def metrics(self, request: Request) -> Response:
-        s = self.client.stats
-        values = [("requests_running", "gauge", s["num_running"]),
-                  ("requests_waiting", "gauge", s["num_waiting"]),
-                  ("kv_blocks_used", "gauge", s["num_blocks"] - s["num_free_blocks"]),
-                  ("kv_blocks_total", "gauge", s["num_blocks"]),
-                  ("kv_blocks_cached", "gauge", s["num_cached_blocks"]),  # free, prefix kept
-                  ("generated_tokens_total", "counter", s["num_generated_tokens"]),
-                  ("prompt_tokens_total", "counter", s["num_prompt_tokens"]),
-                  ("prefix_cache_hit_tokens_total", "counter", s["num_cached_tokens"]),
-                  ("prefix_cache_hit_rate", "gauge", s["prefix_cache_hit_rate"]),
-                  ("preemptions_total", "counter", s["num_preemptions"])]
-        lines = [f"# TYPE nanoserve_{name} {kind}\nnanoserve_{name} {v}"
-                 for name, kind, v in values]
-        lines += self.client.ttft.render() + self.client.itl.render()
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return Response(prometheus_client.generate_latest(self.client.metrics),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     async def completions(self, request: Request) -> Response:
         f = parse_fields(await self._read(request), COMPLETION_FIELDS)
@@ -2141,17 +2113,13 @@ class OpenAIServer:
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
-        """The JSON body, refused before it is read whole if it is too large."""
+        """The JSON body, refused as soon as it is too large (before it is read whole)."""
         limit, chunks, size = self.cfg.max_request_bytes, [], 0
-        too_large = APIError(413, f"the body is larger than {limit} bytes")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_large                   # the cheap check: nothing read yet
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise too_large
+                    raise APIError(413, f"the body is larger than {limit} bytes")
                 chunks.append(chunk)
         except ClientDisconnect:              # the client left mid-body: nobody to answer
             raise APIError(499, "the client closed the connection")
@@ -2193,11 +2161,15 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
+        # Lazy: these are async generators, so nothing reaches the engine core
+        # until the body is iterated: by Starlette as it streams the response,
+        # or by collect just below.
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return _EventStream(shape.stream(chunks, include_usage))
-        body = await _unless_disconnected(request, shape.collect(chunks))
+            return _EventStream(shape.stream(chunks, include_usage),
+                                headers={"Cache-Control": "no-cache"})
+        body = await shape.collect(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
 
@@ -2252,9 +2224,10 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
         if not f.init or "help" not in f.metadata or f.name in skip:
             continue
         name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            action = "store_false" if f.default else "store_true"
-            parser.add_argument(name, dest=f.name, action=action, help=f.metadata["help"])
+        if f.type == "bool":            # a flag that is on by default turns it off
+            action, help = ("store_false", "do not " + f.metadata["help"]) if f.default \
+                else ("store_true", f.metadata["help"])
+            parser.add_argument(name, dest=f.name, action=action, help=help)
         elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
             parser.add_argument(name, dest=f.name, action="append", help=f.metadata["help"])
         else:
