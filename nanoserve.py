@@ -33,7 +33,7 @@ turns them into text for the HTTP stream.
 from __future__ import annotations
 
 import argparse, asyncio, contextlib, dataclasses, faulthandler, hmac, json, math
-import multiprocessing, os, queue, signal, socket, sys, threading, time, traceback, uuid
+import multiprocessing, os, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -1511,13 +1511,11 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         outbox.send(f"the engine core failed to start: {e}")
         return
     outbox.send(EngineCoreOutputs([], core.stats()))         # ready
-    # The outputs go out from a thread of their own, so that the step loop
-    # never waits on the server: several steps' worth at once when the server
-    # reads slower than the engine steps. (Were the loop to send itself, it
-    # would stall whenever the server is busy, and with both pipes full the
-    # two processes would wait on each other.)
-    outbox_queue = queue.Queue()
-    threading.Thread(target=_send_outputs, args=(outbox_queue, outbox), daemon=True).start()
+    # The outputs go out through one worker thread, in order, so that the step
+    # loop never waits on the server. (Were the loop to send itself, it would
+    # stall whenever the server is busy, and with both pipes full the two
+    # processes would wait on each other.)
+    sender = ThreadPoolExecutor(max_workers=1)
     while True:
         try:   # block only when idle; while sequences run, take what has arrived
             messages = [] if core.has_unfinished() else [inbox.recv()]
@@ -1543,18 +1541,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
                 outputs += core.fail_running(e)
-        outbox_queue.put(EngineCoreOutputs(outputs, core.stats()))
-
-def _send_outputs(outbox_queue: queue.Queue, outbox):
-    """The outbox thread: queue -> pipe. Steps queued while a send waited on
-    the server go out as one message, so a slow reader costs sends, not steps."""
-    with contextlib.suppress(OSError):        # the server is gone; the loop sees EOF
-        while True:
-            messages = [outbox_queue.get()]
-            while not outbox_queue.empty():
-                messages.append(outbox_queue.get_nowait())
-            outbox.send(EngineCoreOutputs([o for m in messages for o in m.outputs],
-                                          messages[-1].stats))
+        sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
 
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
