@@ -836,45 +836,59 @@ def summarize_serve(setting, results, seconds, expected_tokens):
                    tpot_p50_ms=percentile(tpot, 50),
                    itl_p50_ms=percentile(itl, 50), itl_p99_ms=percentile(itl, 99), num_failed=len(failed))
     report("nanoserve-server", setting, **numbers)
-    return numbers
+    return numbers, {"ttft": ttft, "itl": itl}
 
 
 def serve(args, model_dir, hw):
-    """The HTTP server under Poisson arrivals and a closed loop, then the
-    same all-at-once requests offline through LLM.generate."""
+    """The HTTP server under Poisson arrivals and a closed loop, with CUDA
+    graphs and (on a GPU) with --enforce-eager too, then the same
+    all-at-once requests offline through LLM.generate."""
     vocab = model_shape(model_dir, args.torch_dtype).vocab_size
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    log_path = Path(args.out_dir) / "serve.log"
-    proc, url = start_server(args, model_dir, log_path)
-    points, all_at_once = [], None    # all_at_once: (payloads, served tok/s) of the rate-inf run
-    try:
-        model_name = wait_healthy(proc, url, log_path, args.startup_timeout)
-        # Fresh prompts for every setting, so no setting is served from the prefix
-        # cache that an earlier one filled.
-        def payloads(seed, n):
-            rng = random.Random(seed)
-            return [{"model": model_name, "prompt": p, "max_tokens": args.output_len, "temperature": 0.0,
-                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                    for p in random_prompts(rng, vocab, [args.input_len] * n)]
-        asyncio.run(closed_loop(url, payloads(10_000, 4), 2))  # warm-up
-        lengths = f"in {args.input_len} out {args.output_len}"
-        for i, rate in enumerate(args.rates):
-            log(f"rate {rate} req/s: {args.num_requests} requests")
-            results, seconds = asyncio.run(open_loop(url, payloads(i, args.num_requests), rate, seed=i))
-            points.append((f"{rate:g}/s", summarize_serve(f"rate {rate:g}/s, {lengths}", results, seconds,
-                                                          args.output_len)))
-            if math.isinf(rate):
-                all_at_once = (payloads(i, args.num_requests), points[-1][1]["output_tok_s"])
-        if args.concurrency:
-            log(f"closed loop, {args.concurrency} clients: {args.num_requests} requests")
-            results, seconds = asyncio.run(closed_loop(url, payloads(1000, args.num_requests),
-                                                       args.concurrency))
-            points.append((f"c={args.concurrency}", summarize_serve(
-                f"concurrency {args.concurrency}, {lengths}", results, seconds, args.output_len)))
-    finally:
-        stop_server(proc)
+    cuda = args.device.startswith("cuda")
+    points, samples, all_at_once = [], {}, None   # all_at_once: (payloads, tok/s) of rate inf, graphs
+    for eager in ([False, True] if cuda and not args.enforce_eager else [bool(args.enforce_eager)]):
+        args.enforce_eager = eager or None
+        mode = "eager" if eager else "graphs" if cuda else "cpu"
+        log_path = Path(args.out_dir) / f"serve_{mode}.log"
+        proc, url = start_server(args, model_dir, log_path)
+        try:
+            start = time.perf_counter()
+            model_name = wait_healthy(proc, url, log_path, args.startup_timeout)
+            log(f"{mode}: healthy after {time.perf_counter() - start:.1f} s")
+
+            # Fresh prompts for every setting, so no setting is served from the
+            # prefix cache that an earlier one filled.
+            def payloads(seed, n):
+                rng = random.Random(seed)
+                return [{"model": model_name, "prompt": p, "max_tokens": args.output_len, "temperature": 0.0,
+                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                        for p in random_prompts(rng, vocab, [args.input_len] * n)]
+            asyncio.run(closed_loop(url, payloads(10_000, 4), 2))  # warm-up
+            lengths = f"in {args.input_len} out {args.output_len}"
+            for i, rate in enumerate(args.rates):
+                log(f"{mode}, rate {rate} req/s: {args.num_requests} requests")
+                results, seconds = asyncio.run(open_loop(url, payloads(i, args.num_requests), rate, seed=i))
+                label = f"{mode}, {rate:g}/s"
+                numbers, samples[label] = summarize_serve(f"{label}, {lengths}", results, seconds,
+                                                          args.output_len)
+                points.append((label, numbers))
+                if math.isinf(rate) and not eager:
+                    all_at_once = (payloads(i, args.num_requests), numbers["output_tok_s"])
+            if args.concurrency:
+                log(f"closed loop, {args.concurrency} clients: {args.num_requests} requests")
+                results, seconds = asyncio.run(closed_loop(url, payloads(1000, args.num_requests),
+                                                           args.concurrency))
+                label = f"{mode}, c={args.concurrency}"
+                numbers, samples[label] = summarize_serve(f"{label}, {lengths}", results, seconds,
+                                                          args.output_len)
+                points.append((label, numbers))
+        finally:
+            stop_server(proc)
     plot_serve(points, args.out_dir)
+    plot_serve_distribution(samples, args.out_dir)
     if all_at_once:
+        args.enforce_eager = None
         serve_over_offline(args, model_dir, *all_at_once)
 
 
@@ -902,6 +916,23 @@ def plot_serve(points, out_dir):
         ax.set(xlabel="output tokens/s", ylabel="ms", title=title, yscale="log")
         ax.legend()
     save_plot(fig, out_dir, "serve_latency.png")
+
+
+def plot_serve_distribution(samples, out_dir):
+    """The whole distribution of each setting: the share of first tokens and
+    of token gaps at or under each latency (the p99 is where a curve reaches 0.99)."""
+    if not samples:
+        return
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "ttft", "time to first token"), (axes[1], "itl", "inter-token latency")):
+        for label, s in samples.items():
+            xs = sorted(v for v in s[key] if v > 0) or [1e-3]
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+        ax.axhline(0.99, color="grey", lw=0.5, ls=":")
+        ax.set(xscale="log", xlabel="ms", ylabel="share at or under", title=title)
+        ax.legend(fontsize=7)
+    save_plot(fig, out_dir, "serve_latency_cdf.png")
 
 
 # ---------------------------------------------------------------------------

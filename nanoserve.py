@@ -32,7 +32,7 @@ turns them into text for the HTTP stream.
 
 from __future__ import annotations
 
-import argparse, asyncio, contextlib, dataclasses, faulthandler, hmac, json, math
+import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, functools, hmac, json, math
 import multiprocessing, os, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 import jinja2.sandbox                    # also binds jinja2
+import llguidance.numpy                  # also binds llguidance
 import numpy as np
 import prometheus_client
 import torch
@@ -245,18 +246,13 @@ def load_weights(model: nn.Module, cfg: Config):
 # over the paged cache, and the SwiGLU MLP. Every layer works on a flat batch
 # of tokens (N_tok, D): sequence boundaries live only in AttentionMetadata.
 
-def fused_on_cuda(fn):
-    """On CUDA, torch.compile fuses fn's chain of elementwise ops into one
-    Triton kernel: an RMSNorm is otherwise six launches and a rotation eight,
-    each a full pass over memory, and at decode batch sizes those launches
-    cost as much as the matmuls. The CPU runs fn as written."""
-    compiled = torch.compile(fn, dynamic=True)   # lazy: compiles on the first CUDA call
-    return lambda x, *args: compiled(x, *args) if x.is_cuda else fn(x, *args)
-
-@fused_on_cuda
 def rms_norm(x, weight, eps: float):                           # (N_tok, D)
     # Normalize in fp32 and cast back before the weight, as transformers
-    # does, so bf16 results round the same way.
+    # does, so bf16 results round the same way. On the GPU one Triton kernel
+    # does this (pa.rms_norm): as torch ops it is six launches, each a pass
+    # over memory, and at small batches launches cost as much as the matmuls.
+    if x.is_cuda:
+        return pa.rms_norm(x, weight, eps)
     h = x.float()                               # fp32: squares of bf16 activations would lose bits
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (N_tok, D) / rms over D
     return weight * h.to(x.dtype)
@@ -311,12 +307,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor        # (N_tok,) int64
     block_tables: torch.Tensor        # (B, max_blocks) int32
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
-    cu_seqlens_q: Optional[torch.Tensor]  # (B+1,) int32, start of each sequence in N_tok
-    max_seqlen_q: int                 # longest run of new tokens of one sequence
+    cu_seqlens_q: torch.Tensor        # (B+1,) int32, start of each sequence in N_tok
     is_decode: bool                   # every sequence brings exactly one new token
 
-@fused_on_cuda
 def silu_and_mul(gate_up):                                     # (N_tok, 2 I)
+    if gate_up.is_cuda:                         # one launch, not two (pa.silu_and_mul)
+        return pa.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)                        # (N_tok, I) each
     return F.silu(gate) * up
 
@@ -458,6 +454,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # OpenAI's, in [-2, 2]: minus this if generated before,
     frequency_penalty: float = 0.0    # and minus this times the count so far
     repetition_penalty: float = 1.0   # transformers': a seen token's logit / this (x this if < 0)
+    grammar: Optional[str] = None     # llguidance grammar the output must match (FrontEnd.grammar)
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -501,6 +498,7 @@ class SamplingBatch:
     needs_top_k_top_p: bool
     max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
     logit_edits: Optional[tuple] = None  # see apply_logit_edits; None: no row has any
+    allowed: Optional[tuple] = None   # see apply_token_mask; None: no row has a grammar
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
     """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token)."""
@@ -509,6 +507,13 @@ def apply_logit_edits(logits, edits):                        # (B, V) fp32
     x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
     x = x - penalty                            # then OpenAI's presence and frequency penalties
     return logits.index_put((rows, ids), x)
+
+def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
+    """-inf for every token that a constrained row's grammar does not allow
+    next: bit j of int32 word i of its bitmask allows token 32 i + j."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, -math.inf))
 
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
     """Set every logit outside a row's top-k and top-p set to -inf."""
@@ -540,9 +545,11 @@ def argmax_rows(logits):                                      # (B, V)
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     """Return the sampled token ids (B,) and, if asked, their log-probs."""
-    plain = batch.all_greedy and batch.max_logprobs is None and batch.logit_edits is None
+    plain = batch.all_greedy and batch.max_logprobs is None and batch.logit_edits is None \
+        and batch.allowed is None
     raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
     logits = raw if batch.logit_edits is None else apply_logit_edits(raw, batch.logit_edits)
+    logits = logits if batch.allowed is None else apply_token_mask(logits, *batch.allowed)
     tokens = argmax_rows(logits)
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
@@ -651,23 +658,23 @@ class Sequence:
         # Step N+1 is launched before step N's tokens are read back, so a token
         # sampled for this sequence may exist only in device memory.
         #   counted:   EngineCore._launch adds 1 for each sequence that samples
-        #              in the step it launches;
+        #              in the step it launches (sampled by ModelRunner.sample);
         #   used:      Scheduler.schedule counts it as a token to compute (the
         #              input of the next step), and _ends_when_read skips a
         #              sequence whose pending token is its last;
-        #   stood in:  ModelRunner.prepare puts a placeholder 0 in its input row;
-        #   filled in: ModelRunner.launch copies it there from the previous
-        #              step's samples, on the device;
+        #   stood in:  ModelRunner.prepare puts a placeholder 0 in its input row,
+        #   filled in: then copies it there from the previous step's samples,
+        #              on the device;
         #   resolved:  EngineCore._commit appends it to token_ids (or drops it if
         #              the sequence ended meanwhile) and takes the 1 off.
         # When schedule runs it is 0 or 1: 0 after a non-final prefill chunk
-        # (which samples nothing), after a step that was read back first
-        # (LaunchedStep.needs_host_tokens), and for a waiting sequence; it is 2
-        # only between a _launch and the _commit of the step before. So
+        # (which samples nothing) and for a waiting sequence; it is 2 only
+        # between a _launch and the _commit of the step before. So
         # num_computed_tokens runs ahead of len(token_ids) by this count.
         self.num_pending_tokens = 0
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
+        self.matcher = None              # with params.grammar: a Future of its matcher (EngineCore)
         self.prompt_logprobs: list = []  # (logprob, {token: logprob}) of prompt tokens 1, 2, ...
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
@@ -809,28 +816,32 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On
-# CUDA, decode steps replay a CUDA graph captured for the next larger batch
-# size, which removes the per-kernel launch cost that dominates small steps.
+# CUDA every step replays a CUDA graph captured for its kind and size, which
+# removes the two hundred kernel launches per step that would otherwise keep
+# the device waiting on the host.
 
 @dataclass
 class StepInputs:
-    """A scheduled batch flattened for one forward pass (ModelRunner.prepare)."""
-    input_ids: list                   # (N_tok,) host ints: launch decides if they are copied
+    """A scheduled batch flattened for one forward pass (ModelRunner.prepare):
+    views of the runner's input buffers, padded to a graph's size if one replays."""
+    input_ids: torch.Tensor           # (N_tok,) int64; a pending token's row is filled by launch
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
+    num_tokens: int                   # the real tokens; rows past them are padding
     sample_rows: list                 # rows whose logits are sampled: each sequence's last
     sample_seqs: list                 # token, once no prompt is left; those sequences' indices
-    pending: list                     # (row, seq) for each input that is a pending token
+    graph: Optional[tuple]            # (CUDAGraph, its output) to replay; None: run eagerly
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device whose sampled tokens are not read back yet."""
+    """A step queued on the device: launched (forward pass, logits), then
+    sampled (ModelRunner.sample), then read back (EngineCore._commit)."""
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
-    tokens: Optional[torch.Tensor]    # (B,) int64 on the device
-    host: list                        # tokens, then sample()'s log-probs, if any, on the host
-    copied: Optional[torch.cuda.Event]  # set once `host` is filled (None on CPU)
-    needs_host_tokens: bool = False   # the next step waits for these tokens (penalties)
+    logits: Optional[torch.Tensor]    # (B, V) of those rows
+    tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
+    host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, on the host
+    copied: Optional[torch.cuda.Event] = None   # set once `host` is filled (None on CPU)
 
 class ModelRunner:
     def __init__(self, cfg: Config):
@@ -846,8 +857,20 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        # Every step's inputs are written into these buffers, sized for the
+        # largest step: a CUDA graph reads its inputs from the addresses it was
+        # captured with, so a replay needs only new values there.
+        S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
+        self.buffers = dict(
+            input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+            positions=torch.zeros(T, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
+            context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
         self.num_blocks = self.allocate_kv_cache()
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
+        self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
         # The torch attention reads lengths on the host, which a graph cannot
         # capture: graphs go with the Triton kernels only.
         if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
@@ -869,7 +892,9 @@ class ModelRunner:
             num_blocks = cfg.num_blocks
         elif self.use_cuda:
             # Run the largest possible step once, so the activations' peak is
-            # known; the KV pool gets what is left of the allowed fraction.
+            # known; the KV pool gets what is left of the allowed fraction. The
+            # CUDA graphs' shared memory pool holds the same activations: its
+            # largest graph is a step of this size (capture_cuda_graphs).
             peak = self._profile_peak_bytes()
             total = torch.cuda.get_device_properties(self.device).total_memory
             num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
@@ -883,13 +908,14 @@ class ModelRunner:
 
     @torch.no_grad()
     def _profile_peak_bytes(self) -> int:
-        cfg = self.cfg
-        n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        self._bind_kv_cache(-(-n // cfg.block_size))
+        cfg, n, L = self.cfg, self.cfg.max_num_batched_tokens, self.cfg.max_model_len
+        seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
+        blocks = iter(range(n // cfg.block_size + len(seqs)))     # enough for every sequence
+        for seq in seqs:
+            seq.block_table = [next(blocks) for _ in range(-(-seq.num_tokens // cfg.block_size))]
+        self._bind_kv_cache(n // cfg.block_size + len(seqs))
         torch.cuda.reset_peak_memory_stats(self.device)
-        seq = Sequence("profile", [0] * n, SamplingParams())
-        seq.block_table = list(range(-(-n // cfg.block_size)))
-        self.launch(ScheduledBatch([seq], [n]))
+        self.sample(self.launch(ScheduledBatch(seqs, [seq.num_tokens for seq in seqs])))
         torch.cuda.synchronize(self.device)
         # the sampler's peak grows with the batch: allow a full-vocab sort per row
         sampler_bytes = 4 * cfg.max_num_seqs * cfg.vocab_size * 4
@@ -903,15 +929,23 @@ class ModelRunner:
         t = torch.as_tensor(np.asarray(data), dtype=dtype)     # pinned: the copy does not wait
         return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Flatten the batch: every sequence's new tokens one after another."""
+    def _put(self, buffer, values):
+        """Copy host values into the start of a buffer (from pinned memory: the
+        copy is queued on the stream, behind the step that reads the old values)."""
+        host = torch.as_tensor(np.asarray(values), dtype=buffer.dtype)
+        view = buffer[tuple(slice(0, n) for n in host.shape)]
+        view.copy_(host.pin_memory() if self.use_cuda else host, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
+        """Flatten the batch, every sequence's new tokens one after another, into
+        the input buffers; a graph's padding rows write and read nothing."""
         bs, input_ids, positions, slots = self.cfg.block_size, [], [], []
         context_lens, cu_seqlens, sample_rows, sample_seqs, pending = [], [0], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[start:end]
             if end > seq.num_tokens:     # the pending token is the last input (see Sequence)
-                input_ids.append(0)                # a placeholder, filled in by launch
+                input_ids.append(0)                # a placeholder, filled in below
                 pending.append((cu_seqlens[-1] + n - 1, seq))
             positions += range(start, end)
             table = seq.block_table
@@ -921,18 +955,42 @@ class ModelRunner:
             if end >= seq.num_tokens:
                 sample_rows.append(cu_seqlens[-1] - 1)
                 sample_seqs.append(i)
+        num_tokens, num_seqs = len(positions), len(batch.seqs)
         width = max(len(s.block_table) for s in batch.seqs)
-        block_tables = np.zeros((len(batch.seqs), width), dtype=np.int32)
+        block_tables = np.zeros((num_seqs, width), dtype=np.int32)
         for i, seq in enumerate(batch.seqs):
             block_tables[i, :len(seq.block_table)] = seq.block_table
-        meta = AttentionMetadata(
-            slot_mapping=self.to_device(slots, torch.int64),
-            block_tables=self.to_device(block_tables, torch.int32),
-            context_lens=self.to_device(context_lens, torch.int32),
-            cu_seqlens_q=self.to_device(cu_seqlens, torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens), is_decode=batch.is_decode)
-        return StepInputs(input_ids, self.to_device(positions, torch.int64), meta,
-                          sample_rows, sample_seqs, pending)
+        # -- the graph that replays this step, if any, and its padding --
+        N, S = num_tokens, num_seqs                        # rows and sequences the kernels see
+        key = self._graph_key(batch.is_decode, num_tokens)
+        if key is not None:
+            # a graph reads the table's full width; past a row's own blocks the
+            # ids are stale, and never read (the kernels stop at its context_len)
+            N, width = key[1], self.max_blocks_per_seq
+            S = N if batch.is_decode else min(N, self.cfg.max_num_seqs)   # its room
+        slots += [-1] * (N - num_tokens)         # padding rows write no slot, and padding
+        context_lens += [0] * (S - num_seqs)     # sequences have no context and no rows
+        cu_seqlens += [num_tokens] * (S - num_seqs)
+        b = self.buffers
+        for name, values in [("positions", positions), ("slot_mapping", slots),
+                             ("context_lens", context_lens), ("cu_seqlens_q", cu_seqlens),
+                             ("block_tables", block_tables)]:
+            self._put(b[name], values)
+        # -- input ids: pending tokens come from prev's samples, on the device --
+        if pending and batch.is_decode and batch.seqs == prev.seqs:
+            b["input_ids"][:num_tokens].copy_(prev.tokens)   # a steady decode: same rows
+        else:
+            self._put(b["input_ids"], input_ids)
+            if pending:
+                prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
+                rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
+                b["input_ids"].index_copy_(0, self.to_device(rows, torch.int64),
+                                           prev.tokens[self.to_device(src, torch.int64)])
+        meta = AttentionMetadata(b["slot_mapping"][:N], b["block_tables"][:S, :width],
+                                 b["context_lens"][:S], b["cu_seqlens_q"][:S + 1],
+                                 batch.is_decode)
+        return StepInputs(b["input_ids"][:N], b["positions"][:N], meta, num_tokens,
+                          sample_rows, sample_seqs, self.graphs.get(key))
 
     def sampling_batch(self, seqs: list) -> SamplingBatch:
         params, V = [s.params for s in seqs], self.cfg.vocab_size
@@ -947,7 +1005,18 @@ class ModelRunner:
             all_greedy=all_greedy,
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            logit_edits=self.logit_edits(seqs))
+            logit_edits=self.logit_edits(seqs), allowed=self.token_masks(seqs))
+
+    def token_masks(self, seqs: list) -> Optional[tuple]:
+        """apply_token_mask's rows and bitmasks: each constrained row's matcher
+        (which has seen every token so far) writes which tokens may come next."""
+        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return None                    # the common case: one check per row
+        bitmask = np.empty((len(rows), -(-self.cfg.vocab_size // 32)), dtype=np.int32)
+        for i, row in enumerate(rows):
+            llguidance.numpy.fill_next_token_bitmask(seqs[row].matcher.result(), bitmask, i)
+        return self.to_device(rows, torch.int64), self.to_device(bitmask, torch.int32)
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
         """apply_logit_edits' entries: for each row with a bias or a penalty, one
@@ -981,42 +1050,36 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"] = None) -> "LaunchedStep":
         """Queue one step on the device and return without waiting for it.
         Pending tokens (see Sequence) are filled in from prev's samples."""
-        inputs = self.prepare(batch)
-        pending, meta = inputs.pending, inputs.meta
-        if pending and batch.is_decode and batch.seqs == prev.seqs:
-            input_ids = prev.tokens   # a steady decode, same sequences in the same order: no copy
+        inputs = self.prepare(batch, prev)
+        if inputs.graph is not None:
+            graph, hidden = inputs.graph
+            graph.replay()                 # every kernel of the forward pass, one launch
         else:
-            input_ids = self.to_device(inputs.input_ids, torch.int64)          # (N_tok,)
-            if pending:                   # the placeholders take prev's samples on the device
-                prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
-                rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
-                input_ids.index_copy_(0, self.to_device(rows, torch.int64),
-                                      prev.tokens[self.to_device(src, torch.int64)])
-        if meta.is_decode and len(batch.seqs) <= max(self.graphs, default=0):
-            hidden = self._replay_graph(input_ids, inputs.positions, meta)
-        else:
-            hidden = self.model(input_ids, inputs.positions, meta)     # (N_tok, D)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # (N_tok, D)
+        hidden = hidden[:inputs.num_tokens]                    # the padding rows dropped
         self.compute_prompt_logprobs(batch, hidden)
         seqs = [batch.seqs[i] for i in inputs.sample_seqs]   # those that sample this step
         if not seqs:                            # only unfinished prefill chunks this step
-            return LaunchedStep(batch, [], None, [], None)
+            return LaunchedStep(batch, [], None)
         if len(seqs) < hidden.shape[0]:         # skip the rows of prefill tokens
             hidden = hidden.index_select(0, self.to_device(inputs.sample_rows, torch.int64))
-        logits = self.model.compute_logits(hidden)               # (B, V)
-        sampling = self.sampling_batch(seqs)
-        tokens, logprobs = sample(logits, sampling)
-        # Penalties count a row's tokens on the host, so the step after this
-        # one must wait for its tokens (no edits at all: no row has penalties).
-        wait = sampling.logit_edits is not None and any(s.params.needs_output_history for s in seqs)
-        # Start copying the samples back now: queued after the next step, the
-        # copy (and so EngineCore._commit) would wait for that step too.
-        to_host = [tokens, *(logprobs or ())]              # (B,) each
-        if not self.use_cuda:
-            return LaunchedStep(batch, seqs, tokens, to_host, None, wait)
-        host = [t.to("cpu", non_blocking=True) for t in to_host]   # into pinned memory
-        copied = torch.cuda.Event()
-        copied.record()                                    # on the stream, after the copies
-        return LaunchedStep(batch, seqs, tokens, host, copied, wait)
+        return LaunchedStep(batch, seqs, self.model.compute_logits(hidden))  # (B, V) logits
+
+    @torch.no_grad()
+    def sample(self, step: LaunchedStep):
+        """Sample a launched step's rows and start copying the tokens back.
+        EngineCore calls this once the step before has been read back, while
+        the device still runs this step's forward pass: a row's penalties and
+        grammar then count every token so far on the host, and the device
+        never waits for them."""
+        if not step.seqs:
+            return
+        step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs))
+        step.host = [step.tokens, *(logprobs or ())]      # (B,) each
+        if self.use_cuda:
+            step.host = [t.to("cpu", non_blocking=True) for t in step.host]  # into pinned memory
+            step.copied = torch.cuda.Event()
+            step.copied.record()                           # on the stream, after the copies
 
     def compute_prompt_logprobs(self, batch: ScheduledBatch, hidden):  # (N_tok, D)
         """Append to each sequence that asks the entries of the prompt tokens it predicts."""
@@ -1037,51 +1100,47 @@ class ModelRunner:
                     chosen.tolist(), top.indices.tolist(), top.values.tolist())]
 
     # -- CUDA graphs --
+    # A graph replays every kernel of one forward pass in one launch, reading
+    # its inputs from the buffers above. A decode step replays the graph of
+    # the next captured batch size up (1, 2, 4, 8, then every 16 up to
+    # max_num_seqs), whose attention is the decode kernel; a step that carries
+    # prompt tokens replays the graph of the next captured token count up
+    # (every 16 up to 256, then 8 sizes per doubling up to
+    # max_num_batched_tokens), whose attention is the varlen prefill kernel.
+    def _graph_key(self, is_decode: bool, num_tokens: int) -> Optional[tuple]:
+        sizes = self.graph_sizes[is_decode]
+        i = bisect.bisect_left(sizes, num_tokens)
+        return (is_decode, sizes[i]) if i < len(sizes) else None
+
     @torch.no_grad()
     def capture_cuda_graphs(self):
-        """Capture the decode forward for batch sizes 1, 2, 4, 8, then every
-        multiple of 16 up to max_num_seqs; a step pads its batch up to the
-        next captured size."""
-        max_bs = self.cfg.max_num_seqs
-        sizes = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
-        dev = self.device
-        self.graph_inputs = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32,
-                                     device=dev))
-        pool = None                                        # one memory pool, shared by every graph
-        for bs in reversed(sizes):     # largest first, so smaller ones reuse its memory
-            g = self.graph_inputs
-            meta = AttentionMetadata(g["slot_mapping"][:bs], g["block_tables"][:bs],
-                                     g["context_lens"][:bs], None, 1, True)
-            self.model(g["input_ids"][:bs], g["positions"][:bs], meta)  # warm-up: compiles kernels
+        S, T = self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens
+        decode, mixed, n = {1, 2, 4, 8, *range(16, S + 1, 16), S}, {*range(16, 257, 16), T}, 256
+        while n < T:
+            n += 2 ** (n.bit_length() - 4)     # an eighth of the last power of two
+            mixed.add(n)
+        self.graph_sizes = {True: sorted(n for n in decode if n <= S),
+                            False: sorted(n for n in mixed if n <= T)}
+        keys = sorted(((kind, n) for kind in (True, False) for n in self.graph_sizes[kind]),
+                      key=lambda key: -key[1])   # largest first: the others reuse its memory
+        b, pool = self.buffers, None           # one memory pool, shared by every graph
+        b["slot_mapping"].fill_(-1)            # no step in the buffers: the warm-ups and
+        b["context_lens"].zero_()              # captures write nothing and read nothing
+        b["cu_seqlens_q"].zero_()
+        for is_decode, n in keys:
+            s = n if is_decode else min(n, S)        # sequences: one per token, at most S
+            meta = AttentionMetadata(b["slot_mapping"][:n], b["block_tables"][:s],
+                                     b["context_lens"][:s], b["cu_seqlens_q"][:s + 1], is_decode)
+            args = (b["input_ids"][:n], b["positions"][:n], meta)
+            self.model(*args)                   # warm-up: compiles this size's kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(g["input_ids"][:bs], g["positions"][:bs], meta)
+                hidden = self.model(*args)
             pool = graph.pool()
-            self.graphs[bs] = (graph, hidden)
-            _progress(f"captured CUDA graphs {len(self.graphs)}/{len(sizes)}")
-        _progress(f"captured {len(sizes)} CUDA graphs", end=True)
-
-    def _replay_graph(self, input_ids, positions, meta: AttentionMetadata):
-        n = input_ids.shape[0]
-        bs = min(b for b in self.graphs if b >= n)         # the next captured size up
-        g, width = self.graph_inputs, meta.block_tables.shape[1]
-        g["input_ids"][:n].copy_(input_ids)
-        g["positions"][:n].copy_(positions)
-        g["slot_mapping"][:n].copy_(meta.slot_mapping)
-        g["slot_mapping"][n:bs].fill_(-1)           # padding rows write nothing...
-        g["context_lens"][:n].copy_(meta.context_lens)
-        g["context_lens"][n:bs].fill_(0)            # ...and read nothing
-        # Columns past `width` hold stale block ids, but the kernel never reads
-        # past a row's context_len.
-        g["block_tables"][:n, :width].copy_(meta.block_tables)
-        graph, hidden = self.graphs[bs]
-        graph.replay()                                    # every kernel of the forward, one launch
-        return hidden[:n]                                      # (N_tok, D)
+            self.graphs[is_decode, n] = (graph, hidden)
+            _progress(f"captured CUDA graphs {len(self.graphs)}/{len(keys)}")
+        _progress(f"captured {len(keys)} CUDA graphs", end=True)
+        torch.cuda.empty_cache()               # the warm-ups' memory: graphs use their pool
 
 
 # ---------------------------------------------------------------------------
@@ -1124,14 +1183,30 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
         self.num_generated_tokens = 0                      # for /metrics
+        # Matchers are built on a thread of their own, never on the step loop
+        # (llguidance drops the GIL while it builds one): once per distinct
+        # grammar (the 64 latest are kept), and each request gets a copy.
+        self.compiler = ThreadPoolExecutor(max_workers=1)
+        self.built_matchers = functools.lru_cache(maxsize=64)(
+            lambda grammar: llguidance.LLMatcher(self.llg_tokenizer, grammar))
+        self.llg_tokenizer = None          # llguidance's view of the vocabulary, built once
 
     def add_request(self, request: EngineCoreRequest):
         """Queue a checked request (FrontEnd.validate); it joins the batch next step."""
         seq = Sequence(request.request_id, request.prompt_token_ids, request.params)
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
+        if request.params.grammar is not None:   # ready long before its first sample, mostly
+            seq.matcher = self.compiler.submit(self._new_matcher, request.params.grammar)
         self.seqs[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
+
+    def _new_matcher(self, grammar: str):
+        """On the compile thread: a copy of the grammar's matcher, built the first time."""
+        self.llg_tokenizer = self.llg_tokenizer or llguidance.LLTokenizer(
+            str(Path(self.cfg.model) / "tokenizer.json"), n_vocab=self.cfg.vocab_size,
+            eos_token=self.cfg.eos_token_ids)
+        return self.built_matchers(grammar).deep_copy()
 
     def abort_request(self, request_id: str):
         """Stop a request now; its blocks go back to the pool."""
@@ -1147,20 +1222,24 @@ class EngineCore:
         """Run one iteration; return an EngineCoreOutput per sequence that sampled.
 
         Async scheduling: while the device runs step N, the host already
-        schedules and launches step N+1, whose sequences take step N's samples
-        straight from device memory (their pending tokens: see Sequence), and
-        only then waits for step N's tokens. The host's bookkeeping then hides
-        behind the device's work. New requests join step N+1 like any other.
-        The one exception is a step with a penalized row (repetition, presence
-        or frequency penalty: LaunchedStep.needs_host_tokens): the next step's
-        penalties count its tokens on the host, so it is read back first."""
-        if self.launched is None:
+        schedules and launches step N+1's forward pass, whose sequences take
+        step N's samples straight from device memory (their pending tokens:
+        see Sequence), and only then waits for step N's tokens. Step N+1 is
+        sampled after that wait, while its forward pass still runs, so that
+        penalties and grammars see token N on the host. The host's bookkeeping
+        hides behind the device's work. New requests join step N+1 like any
+        other."""
+        if self.launched is None:               # nothing in flight: start one step
             self.launched = self._launch(prev=None)
             if self.launched is None:
                 return []
+            self.runner.sample(self.launched)
         done = self.launched
-        self.launched = None if done.needs_host_tokens else self._launch(prev=done)
-        return self._commit(done)
+        self.launched = self._launch(prev=done)
+        outputs = self._commit(done)
+        if self.launched is not None:
+            self.runner.sample(self.launched)
+        return outputs
 
     def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         batch = self.scheduler.schedule()
@@ -1185,6 +1264,8 @@ class EngineCore:
             if seq.is_finished:                 # aborted, or ended by the step before
                 continue
             seq.token_ids.append(token)
+            if seq.matcher is not None:        # the grammar follows the output, token by token
+                seq.matcher.result().consume_token(token)
             keep = seq.params.max_tokens > 0     # 0: only the prompt's log-probs were wanted
             out = EngineCoreOutput(seq.request_id, token if keep else None,
                                    num_cached_tokens=seq.num_cached_tokens)
@@ -1209,6 +1290,8 @@ class EngineCore:
         p = seq.params
         if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
+        if seq.matcher is not None and seq.matcher.result().is_stopped():
+            return "stop"                      # the grammar's value is complete
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
         return None
@@ -1311,11 +1394,11 @@ class ChatTemplate:
         self.special_tokens = {k: t["content"] if isinstance(t, dict) else t
                                for k, t in tokens.items()}
 
-    def render(self, messages: list) -> str:
+    def render(self, messages: list, tools: Optional[list] = None) -> str:
         if self.template is None:
             raise ValueError("this model has no chat template: use /v1/completions")
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True,
+            return self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                         **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}")
@@ -1328,6 +1411,20 @@ class FrontEnd:
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate(tokenizer_config)
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
+        self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
+
+    def _compile_grammar(self, schema: str) -> str:
+        """llguidance's grammar for a JSON schema (a JSON string), checked: a
+        ValueError says why it cannot be compiled. Cached (grammar): one compile
+        per distinct schema. The JSON is compact, no whitespace between tokens."""
+        if self.tokenizer is None:
+            raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, overrides={"whitespace_flexible": False})
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ValueError(f"the schema cannot be compiled: {error}")
+        return grammar
 
     # -- requests in --
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
@@ -1767,19 +1864,69 @@ def _messages(v, f) -> list:
     return parsed
 
 def _refused(why: str, asks_nothing_new):
-    """The rule of a field the API defines but nanoserve does not implement
-    yet: a 400 unless the value asks for nothing new, so that a client asking
-    for JSON or tool calls fails loudly instead of getting neither."""
+    """The rule of a field the API defines but nanoserve does not implement:
+    a 400 unless the value asks for nothing new, so that a client asking for
+    it fails loudly instead of getting something else."""
     def rule(v, f):
         if v is not None and not asks_nothing_new(v, f):
             raise ValueError(why)
         return v
     return rule
 
-_COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule)
+def _response_format(v, f) -> Optional[dict]:
+    """The JSON schema that response_format asks the output to match, if any."""
+    kind = (v or {}).get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if kind == "json_schema" and "json_schema" not in v:
+        raise ValueError("of type 'json_schema' needs a 'json_schema' object")
+    any_object = {"type": "object"}
+    return None if kind == "text" else v.get("json_schema", {}).get("schema", any_object)
+
+def _tools(v, f) -> Optional[list]:
+    if any(t.get("type") != "function" or not t.get("function", {}).get("name") for t in v or []):
+        raise ValueError("must each be of type 'function' with a 'function.name'")
+    return v
+
+def _tool_choice(v, f) -> Optional[str]:
+    """None (no call is forced), "required" (a call of any tool) or the name
+    of the one tool to call. "auto" needs a parser, for each model family, of
+    calls in free text: left out."""
+    names = [t["function"]["name"] for t in f.get("tools") or []]
+    if isinstance(v, dict):
+        v = parse_fields(v, {"type": str, "function": {"name": str}}, "tool_choice.")
+        if v.get("function", {}).get("name") not in names:
+            raise ValueError(f"names a function that is not in 'tools' ({', '.join(names)})")
+        return v["function"]["name"]
+    v = v or ("auto" if names else "none")
+    if v not in ("none", "auto", "required"):
+        raise ValueError("must be 'none', 'auto', 'required' or a {'type': 'function', ...} object")
+    if v == "auto" and names:
+        raise ValueError("'auto' is not supported (it needs a parser of each model's tool-call "
+                         "format): force a call with 'required' or a named function")
+    if v == "required" and not names:
+        raise ValueError("'required' needs 'tools'")
+    return None if v == "none" else v
+
+def _tool_call_schema(tools: list, choice: str) -> dict:
+    """The JSON a forced call is generated as: the named function's arguments,
+    or, for "required", the {"name", "arguments"} of any one function."""
+    parameters = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"})
+                  for t in tools}
+    if choice != "required":
+        return parameters[choice]
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                       "required": ["name", "arguments"], "additionalProperties": False}
+                      for name, schema in parameters.items()]}
+
+_COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an object, [..]: an array
     model=str, max_tokens=int, n=(int, _n), seed=int, stop=(object, _stop), temperature=float,
     top_p=float, top_k=int, logit_bias=dict, presence_penalty=float, frequency_penalty=float,
-    repetition_penalty=float, ignore_eos=bool, stream=bool, stream_options=dict,
+    repetition_penalty=float, ignore_eos=bool, stream=bool,
+    stream_options={"include_usage": bool, "include_obfuscation": bool},
+    response_format=({"type": str, "json_schema": {"name": str, "description": str,
+                                                   "schema": dict, "strict": bool}},
+                     _response_format),
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
 COMPLETION_FIELDS = dict(
     _COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
@@ -1788,55 +1935,65 @@ COMPLETION_FIELDS = dict(
 CHAT_FIELDS = dict(
     _COMMON_FIELDS, messages=(list, _messages), logprobs=bool, top_logprobs=int,
     max_completion_tokens=int, parallel_tool_calls=bool,
-    response_format=(dict, _refused("structured output is not supported yet",
-                                    lambda v, f: v.get("type", "text") == "text")),
-    tools=(list, _refused("tool calling is not supported yet", lambda v, f: not v)),
-    tool_choice=(object, _refused("tool calling is not supported yet", lambda v, f: v == "none")))
+    tools=([{"type": str, "function": {"name": str, "description": str, "parameters": dict,
+                                       "strict": bool}}], _tools),
+    tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
                dict: "an object", list: "an array"}
 # the API's sampling fields that carry SamplingParams' own names and defaults
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "ignore_eos", "logit_bias",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
 
-def parse_fields(body: dict, spec: dict) -> dict:
+def parse_fields(body: dict, spec: dict, path: str = "") -> dict:
     """The body's fields, checked against spec; a JSON null counts as absent.
     A field the endpoint does not know is refused, never ignored: it may be
-    one that would have changed the output."""
+    one that would have changed the output. An object nested in a field is
+    checked the same way against its own spec, and a 400 names the path to
+    the field (stream_options.include_usage, tools[0].function.name)."""
     fields = {}
     for name, value in body.items():
         if name not in spec:
-            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+            raise APIError(400, f"'{path}{name}' is not supported by this server",
+                           param=path + name)
         kind = spec[name][0] if isinstance(spec[name], tuple) else spec[name]
-        fields[name] = value
-        if value is None or kind is object:
-            continue
-        # an integer is a fine number; true is an int in Python but not in JSON
-        accepted = (int, float) if kind is float else kind
-        if not isinstance(value, accepted) or isinstance(value, bool) != (kind is bool):
-            raise APIError(400, f"'{name}' must be {_JSON_TYPES[kind]}, "
-                                f"got {json.dumps(value)[:40]}", param=name)
-        if kind is int and not -2**63 <= value < 2**64:
-            raise APIError(400, f"'{name}' is out of the 64-bit range", param=name)
-        if kind is float:             # 1e400 parses to inf; float(10**400) would overflow
-            value = float(value) if abs(value) <= sys.float_info.max else math.inf
-            if not math.isfinite(value):
-                raise APIError(400, f"'{name}' must be a finite number", param=name)
-            fields[name] = value
+        fields[name] = _check(value, kind, path + name)
     for name, rule in [(k, v[1]) for k, v in spec.items() if isinstance(v, tuple)]:
         try:                          # every rule runs, present or not (defaults)
             fields[name] = rule(fields.get(name), fields)
         except ValueError as e:
-            raise APIError(400, f"'{name}' {e}", param=name)
+            raise APIError(400, f"'{path}{name}' {e}", param=path + name)
     return {k: v for k, v in fields.items() if v is not None}
 
+def _check(value, kind, path: str):
+    """A value against its kind: a JSON type, an object's spec or [an array's item kind]."""
+    if value is None or kind is object:
+        return value
+    shape = dict if isinstance(kind, dict) else list if isinstance(kind, list) else kind
+    # an integer is a fine number; true is an int in Python but not in JSON
+    accepted = (int, float) if shape is float else shape
+    if not isinstance(value, accepted) or isinstance(value, bool) != (shape is bool):
+        raise APIError(400, f"'{path}' must be {_JSON_TYPES[shape]}, "
+                            f"got {json.dumps(value)[:40]}", param=path)
+    if isinstance(kind, dict):
+        return parse_fields(value, kind, path + ".")
+    if isinstance(kind, list):
+        return [_check(item, kind[0], f"{path}[{i}]") for i, item in enumerate(value)]
+    if kind is int and not -2**63 <= value < 2**64:
+        raise APIError(400, f"'{path}' is out of the 64-bit range", param=path)
+    if kind is float:                 # 1e400 parses to inf; float(10**400) would overflow
+        value = float(value) if abs(value) <= sys.float_info.max else math.inf
+        if not math.isfinite(value):
+            raise APIError(400, f"'{path}' must be a finite number", param=path)
+    return value
+
 def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
-                          prompt_logprobs: Optional[int] = None) -> list:
+                          prompt_logprobs: Optional[int] = None, grammar=None) -> list:
     """One SamplingParams per choice. With a seed, choice i uses seed + i, so
     the n choices differ and the request stays reproducible."""
     shared = {k: v for k, v in f.items() if k in _SAMPLING_FIELDS}
     seed = f.get("seed")
     return [SamplingParams(**shared, max_tokens=max_tokens, stop=f["stop"], logprobs=logprobs,
-                           prompt_logprobs=prompt_logprobs,
+                           prompt_logprobs=prompt_logprobs, grammar=grammar,
                            seed=None if seed is None else (seed + i) % 2**64)
             for i in range(f["n"])]
 
@@ -1894,7 +2051,11 @@ class _Shape:
                 if self.has_news(d):
                     yield self.choice(dataclasses.replace(d, finish_reason=None))
                 if d.finish_reason is not None:   # (an echo not sent yet goes with it)
-                    yield self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
+                    yield self.last(state, d)
+
+    def last(self, state: RequestState, d: Delta) -> dict:
+        """The chunk that carries the finish_reason."""
+        return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
 
     async def stream(self, chunks, include_usage: bool):
         """Server-sent events, OpenAI's stream framing: `data: {json}` per chunk,
@@ -1985,12 +2146,38 @@ class _CompletionShape(_Shape):
 
 class _ChatShape(_Shape):
     """The chat shape. A stream opens each choice with the assistant's role,
-    sends content deltas, then an empty delta that carries the finish_reason."""
+    sends content deltas, then an empty delta that carries the finish_reason.
+    A forced tool call is sent whole, at the end, as OpenAI's tool_calls."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, tool_choice=None):
+        super().__init__(server, num_prompt_tokens, num_top_logprobs)
+        self.tool_choice = tool_choice    # None, "required" or a name (_tool_choice)
+
     def opening(self, i: int) -> list:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""},
+        return [{"index": i, "delta": {"role": "assistant", "content": None if self.tool_choice else ""},
                  "logprobs": None, "finish_reason": None}]
+
+    def has_news(self, d: Delta) -> bool:
+        return not self.tool_choice and super().has_news(d)
+
+    def last(self, state: RequestState, d: Delta) -> dict:
+        """With a forced call, the call: its arguments are the generated JSON
+        (with "required": its "arguments", under its "name"). Cut short by
+        max_tokens, the JSON is incomplete: then the text is the content."""
+        if not self.tool_choice:
+            return super().last(state, d)
+        try:
+            value = json.loads(state.text)
+        except ValueError:
+            return {"index": d.index, "delta": {"content": state.text}, "logprobs": None,
+                    "finish_reason": d.finish_reason}
+        name, arguments = (value["name"], value["arguments"]) if self.tool_choice == "required" \
+            else (self.tool_choice, value)
+        call = {"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+        return {"index": d.index, "delta": {"tool_calls": [call]}, "logprobs": None,
+                "finish_reason": "tool_calls"}
 
     def choice(self, d: Delta) -> dict:
         return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
@@ -2079,7 +2266,8 @@ class OpenAIServer:
         # max_tokens 0 (with echo: the prompt's log-probs only) still samples
         # one token, which the engine core drops
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
-                                       num_top if echo and num_top is not None else None)
+                                       num_top if echo and num_top is not None else None,
+                                       await self._grammar(f.get("response_format"), "response_format"))
         prompt_ids = [await self._encode(p) for p in prompts]
         shape = _CompletionShape(self, prompts, prompt_ids, num_top, echo, len(params))
         return await self._respond(request, f, shape, prompt_ids, params)
@@ -2087,16 +2275,21 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         f = parse_fields(await self._read(request), CHAT_FIELDS)
         try:
-            text = self.front.chat_template.render(f["messages"])
+            text = self.front.chat_template.render(f["messages"], f.get("tools"))
         except ValueError as e:
             raise APIError(400, str(e), param="messages")
         # the template has written the special tokens: encode must not add its own
         prompt_ids = await self._encode(text, add_special_tokens=False)
         room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
         num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
+        tool = f.get("tool_choice")           # None, "required" or a name (_tool_choice)
+        if tool:                              # a forced call wins over response_format
+            grammar = await self._grammar(_tool_call_schema(f["tools"], tool), "tools")
+        else:
+            grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
-                                       num_top)
-        shape = _ChatShape(self, len(prompt_ids), num_top)
+                                       num_top, grammar=grammar)
+        shape = _ChatShape(self, len(prompt_ids), num_top, tool)
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
@@ -2122,6 +2315,13 @@ class OpenAIServer:
             raise APIError(404, f"the model {str(model)[:100]!r} does not exist; this server "
                                 f"serves {self.model_name!r}", param="model", code="model_not_found")
         return body
+
+    async def _grammar(self, schema: Optional[dict], field: str) -> Optional[str]:
+        """The grammar of a JSON schema, compiled in a thread (FrontEnd.grammar)."""
+        try:
+            return schema and await asyncio.to_thread(self.front.grammar, json.dumps(schema))
+        except ValueError as e:
+            raise APIError(400, f"'{field}': {e}", param=field)
 
     async def _encode(self, prompt, add_special_tokens: bool = True) -> list:
         """Token ids of a prompt; text is tokenized in a thread, off the event loop."""

@@ -13,6 +13,7 @@ owns in order. This file holds the kernels that touch that pool:
     paged_attention_prefill  many query tokens per sequence, causal, varlen;
                              also serves chunked prefill and decode rows
     rope_store_kvcache       RoPE on q and k fused into store_kvcache
+    rms_norm, silu_and_mul   the layers' elementwise steps, one launch each
     ATTENTION                which of these (or of the torch versions) the
                              engine calls: one (rope_store, attend) pair each
 
@@ -439,13 +440,26 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 # Prefill: varlen causal flash-attention over the paged cache
 # The new tokens of many sequences arrive flattened in one (N_tok, ...) batch,
 # sequence b owning rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. Each may follow a
-# cached prefix (chunked prefill) or be a single decode token.
+# cached prefix (chunked prefill) or be a single decode token. The grid is
+# sized from N_tok and B alone, never from the sequences' lengths, so a CUDA
+# graph captured for N_tok tokens and B sequences replays any batch that fits.
 
-PREFILL_BLOCK_M = 64  # rows (query token, head of the group) per program
-PREFILL_BLOCK_N = 64  # context tokens per KV tile
+PREFILL_BLOCK_M = 128  # rows (query token, head of the group) per program
+PREFILL_BLOCK_N = 64   # context tokens per KV tile
+PREFILL_NUM_WARPS = 8
+PREFILL_NUM_STAGES = 3
 
 
 @triton.jit
+def _first_tile(cu_seqlens_q_ptr, b, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The first program of sequence b: floor(cu[b] * G / BLOCK_M) + b. Sequence
+    b then has floor(cu[b+1] G / BLOCK_M) - floor(cu[b] G / BLOCK_M) + 1 >=
+    cdiv(T_b G, BLOCK_M) programs, all its tiles, and the whole batch fits in
+    N_tok * G // BLOCK_M + B programs."""
+    return tl.load(cu_seqlens_q_ptr + b) * G // BLOCK_M + b
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr,              # (N_tok, n_heads, hd) new queries of all sequences, rows may be strided
     k_cache_ptr,        # (num_blocks, block_size, n_kv, hd) key pool, new keys already stored
@@ -454,6 +468,7 @@ def _prefill_kernel(
     block_tables_ptr,   # (B, max_blocks) int32 block ids of each sequence
     cu_seqlens_q_ptr,   # (B + 1,) int32 first row of each sequence in q
     context_lens_ptr,   # (B,) int32 tokens in the cache per sequence, new ones included
+    num_seqs,           # B
     qk_scale,           # softmax scale * LOG2E, so the softmax runs in base 2
     stride_qt,          # q stride between tokens
     stride_qh,          # q stride between heads
@@ -470,29 +485,43 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,     # tokens per KV tile
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the tensor-core default
 ):
-    """Program (tile, b, kv head) computes BLOCK_M query rows of sequence b.
+    """Program (p, kv head) computes one tile of BLOCK_M query rows of one
+    sequence, which it finds by binary search: p lies in [_first_tile(b),
+    _first_tile(b + 1)). Programs past a sequence's last tile, or in a
+    sequence with no rows (padding of a CUDA-graph batch), return at once.
 
     GQA packing: the T new tokens times the G heads of one kv head form T * G
     rows, row r being token r // G, head r % G; a program takes BLOCK_M
     consecutive rows, so every K/V tile it loads serves G heads at once and no
     row is wasted when G is not a power of two.
 
-    Causality: token j of sequence b sits at position L - T + j. Keys run from
-    0 up to the position of the tile's last token; tiles above the diagonal are
-    never loaded, and the one straddling it is masked per row. Online softmax
-    as in the decode kernel, in one pass since a tile already has BLOCK_M rows.
+    Causality: token j of sequence b sits at position L - T + j. Keys below the
+    tile's first position are seen by every row, so those tiles need no mask;
+    the tiles up to the tile's last position are masked per row, and tiles
+    past it are never loaded. Online softmax as in the decode kernel, in one
+    pass since a tile already has BLOCK_M rows.
 
     Memory traffic: Q and out once; each K/V element once per query tile that
     reaches it, about (T * G / BLOCK_M) * L * n_kv * hd * 2 reads per sequence.
     """
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16, "tl.dot needs inner/outer dims >= 16")
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # -- find this program's sequence: the last b with _first_tile(b) <= pid --
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _first_tile(cu_seqlens_q_ptr, mid, G, BLOCK_M) <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    b = lo
+    tile = pid - _first_tile(cu_seqlens_q_ptr, b, G, BLOCK_M)
     q_start = tl.load(cu_seqlens_q_ptr + b)
     T = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
-    if tile * BLOCK_M >= T * G:  # the grid is sized for the longest sequence
+    if tile * BLOCK_M >= T * G:  # the grid is sized for the worst case
         return
     L = tl.load(context_lens_ptr + b)
 
@@ -510,22 +539,25 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # Causal skip: no row of this tile sees past its last real token.
-    last_tok = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, T - 1)
-    kv_hi = L - T + last_tok + 1
+    # Keys [0, kv_full) are visible to every row of the tile; keys up to kv_hi
+    # to some; none past it.
+    first_pos = L - T + (tile * BLOCK_M) // G
+    kv_full = (first_pos + 1) // BLOCK_N * BLOCK_N
+    kv_hi = L - T + tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, T - 1) + 1
     for start_n in range(0, kv_hi, BLOCK_N):
         # -- find the tile's tokens in the pool --
         offs_tok = start_n + offs_n  # (BLOCK_N,) key positions
         mask_n = offs_tok < kv_hi
         offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
                                     stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-        # -- scores, causally masked --
+        # -- scores, causally masked only where the tile reaches the diagonal --
         k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        # Key 0 is visible to every row (q_pos >= 0), so after the first tile
-        # m_i is finite and fully masked rows in later tiles stay NaN-free.
-        visible = (offs_tok[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        if start_n >= kv_full:
+            # Key 0 is visible to every row (q_pos >= 0), so m_i is finite
+            # after the first tile and fully masked rows stay NaN-free.
+            visible = (offs_tok[None, :] <= q_pos[:, None]) & mask_n[None, :]
+            s = tl.where(visible, s, float("-inf"))
         # -- online softmax, accumulate p v --
         v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -537,7 +569,7 @@ def _prefill_kernel(
 
 
 def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                max_seqlen_q, scale, out=None):
+                                scale, out=None):
     out = torch.empty_like(q) if out is None else out
     cu = cu_seqlens_q.tolist()
     for b, L in enumerate(context_lens.tolist()):
@@ -550,9 +582,8 @@ def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                            max_seqlen_q, scale, out=None):
-    """max_seqlen_q must be >= every sequence's T: it sizes the grid, and rows
-    beyond it are silently not computed (checking would need a host sync)."""
+                            scale, out=None):
+    """Rows of q past cu_seqlens_q[-1] (padding) are left unwritten. No host sync."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
     N_tok, n_heads, hd = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -560,18 +591,98 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (B + 1,)
     assert cu_seqlens_q.is_contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    if N_tok == 0 or B == 0 or max_seqlen_q == 0:
+    if N_tok == 0 or B == 0:
         return out
     G = n_heads // n_kv
-    grid = (triton.cdiv(max_seqlen_q * G, PREFILL_BLOCK_M), B, n_kv)
+    grid = (N_tok * G // PREFILL_BLOCK_M + B, n_kv)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, B,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=G, HEAD_DIM=hd, BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )
+    return out
+
+
+# ----------------------------------------------------------------------------
+# RMSNorm and SiLU-and-mul for steps of many tokens
+# Past batch-1 decode (where the GEMV below applies them on the fly) these
+# elementwise steps run on their own: one program per token row, one read and
+# one write, one launch. An eager step issues about two hundred launches, so
+# what each costs the host counts as much as what it costs the device.
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,      # (N_tok, D) input rows, rows may be strided
+    w_ptr,      # (D,) the norm's weight
+    out_ptr,    # (N_tok, D) result, contiguous
+    stride_x,   # x stride between rows
+    D,          # features per row
+    eps,        # added to the mean square
+    BLOCK_D: tl.constexpr,  # D rounded up to a power of two
+):
+    """One program normalizes one row: x / rms(x) in fp32, rounded to x's
+    dtype before the weight multiplies, as transformers rounds.
+    Memory traffic: N_tok * D read and written."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * D + offs, (w.to(tl.float32) * h.to(tl.float32)).to(h.dtype), mask=mask)
+
+
+def rms_norm_ref(x, weight, eps):
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x, weight, eps):
+    """rms_norm_ref in one launch. No host sync."""
+    N_tok, D = x.shape
+    assert weight.shape == (D,) and weight.is_contiguous() and x.stride(1) == 1
+    assert x.dtype == weight.dtype
+    out = torch.empty(N_tok, D, dtype=x.dtype, device=x.device)
+    if N_tok:
+        _rms_norm_kernel[(N_tok,)](x, weight, out, x.stride(0), D, eps,
+                                   BLOCK_D=triton.next_power_of_2(D), num_warps=8)
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,     # (N_tok, 2 I) gate then up, contiguous
+    out_ptr,   # (N_tok, I) result
+    I,         # features of the result
+    BLOCK: tl.constexpr,  # features per program
+):
+    """Program (row, block) computes silu(gate) * up for BLOCK features of one
+    row, in fp32, rounded once. Memory traffic: N_tok * 3 I."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    gate = tl.load(x_ptr + row * 2 * I + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * I + I + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * I + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def silu_and_mul_ref(x):
+    gate, up = x.float().chunk(2, dim=-1)  # (N_tok, I) each
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def silu_and_mul(x):
+    """silu_and_mul_ref in one launch. No host sync."""
+    N_tok, I = x.shape[0], x.shape[1] // 2
+    assert x.is_contiguous() and x.shape[1] == 2 * I
+    out = torch.empty(N_tok, I, dtype=x.dtype, device=x.device)
+    if N_tok:
+        _silu_and_mul_kernel[(N_tok, triton.cdiv(I, 1024))](x, out, I, BLOCK=1024, num_warps=4)
     return out
 
 
@@ -705,11 +816,9 @@ def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None
     """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
     SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding."""
     if silu_mul:
-        gate, up = x.float().chunk(2, dim=-1)
-        x = (F.silu(gate) * up).to(x.dtype)
+        x = silu_and_mul_ref(x)
     if norm_weight is not None:
-        h = x.float()
-        x = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        x = rms_norm_ref(x, norm_weight, eps)
     y = F.linear(x, weight)
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
@@ -968,7 +1077,7 @@ def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens,
 
 
 def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                 max_seqlen_q, scale, out=None):
+                                 scale, out=None):
     """The decode rows of a mixed step in one batched call, then one call per
     prefill chunk: a plain causal mask (is_causal, never materialized) when
     the chunk is the whole sequence, an explicit (T, L) one after a cached prefix."""
@@ -1011,7 +1120,7 @@ def _attend_with(decode, prefill):
         if meta.is_decode:
             return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         return prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                       meta.context_lens, meta.max_seqlen_q, scale)
+                       meta.context_lens, scale)
     return attend
 
 

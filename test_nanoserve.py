@@ -11,7 +11,9 @@ and every KV block back in the pool afterwards.
 """
 
 import asyncio
+import dataclasses
 import importlib.util
+import json
 import os
 import socket
 import sys
@@ -129,7 +131,7 @@ def prefill_meta(T, block_size=16):
     return ns.AttentionMetadata(
         slot_mapping=torch.arange(T), block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
         context_lens=torch.tensor([T], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), max_seqlen_q=T, is_decode=False)
+        cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), is_decode=False)
 
 
 def ours_and_hf(model_dir, hf):
@@ -530,8 +532,8 @@ def test_logit_bias_and_repetition_penalty_in_the_engine(smol, smol_llm):
     outs = smol_llm.generate([prompt, SMOL_PROMPTS[0]], [biased, GREEDY])
     assert outs[0].token_ids[0] != base.token_ids[0]
     assert outs[1].token_ids == smol_llm.generate([SMOL_PROMPTS[0]], GREEDY)[0].token_ids
-    # (penalized rows need each step's token on the host before the next
-    # launch: the engine core reads it back first, see LaunchedStep.needs_host_tokens)
+    # (penalized rows count each step's token on the host: a step is sampled
+    # once the step before has been read back, see EngineCore.step)
     ids = smol_llm.front.tokenizer.encode(prompt).ids
     params = ns.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                repetition_penalty=1.3)
@@ -801,8 +803,11 @@ def test_decode_many_splits(device, dtype):
 # ----------------------------------------------------------------------------
 # prefill
 
-def run_prefill_mixed(n_heads, n_kv, hd, bs, device, dtype, prefill=pa.paged_attention_prefill):
-    """Whole prefills, chunked prefills after a cached prefix, and decode rows in one batch."""
+def run_prefill_mixed(n_heads, n_kv, hd, bs, device, dtype, prefill=pa.paged_attention_prefill,
+                      pad=(0, 0)):
+    """Whole prefills, chunked prefills after a cached prefix, and decode rows in
+    one batch; pad = (rows, sequences) of padding, as a CUDA graph's batch has:
+    query rows past the last sequence, and sequences with no rows or context."""
     q_and_context_lens = [
         (67, 67), (bs + 1, bs + 1),        # whole prefills
         (20, 131), (bs - 1, 2 * bs + 3),   # chunks after a cached prefix
@@ -813,14 +818,19 @@ def run_prefill_mixed(n_heads, n_kv, hd, bs, device, dtype, prefill=pa.paged_att
     context_lens = [L for _, L in q_and_context_lens]
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache, block_tables, lens = make_paged_cache(context_lens, bs, n_kv, hd, dtype, device, gen)
-    q, _, _ = fused_qkv_views(sum(q_lens), n_heads, n_kv, hd, dtype, device, gen)
-    cu_seqlens_q = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    q, _, _ = fused_qkv_views(sum(q_lens) + pad[0], n_heads, n_kv, hd, dtype, device, gen)
+    cu_seqlens_q = torch.tensor([0] + q_lens + [0] * pad[1], device=device).cumsum(0).to(torch.int32)
+    block_tables = torch.cat([block_tables, block_tables[:pad[1]]])   # stale ids, never read
+    lens = torch.cat([lens, torch.zeros(pad[1], dtype=torch.int32, device=device)])
     scale = hd ** -0.5
     out = nan_like(q)
-    ret = prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, max(q_lens), scale, out=out)
+    ret = prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, scale, out=out)
     assert ret is out
     ref = pa.paged_attention_prefill_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
-                                         cu_seqlens_q, lens, max(q_lens), scale)
+                                         cu_seqlens_q, lens, scale)
+    if pad[0]:
+        assert out[-pad[0]:].isnan().all(), "a padding row was written"
+        out, ref = out[:-pad[0]], ref[:-pad[0]]
     return out, ref
 
 
@@ -832,6 +842,16 @@ def test_prefill_mixed(device, dtype, n_heads, n_kv, hd, block_size):
 
 
 @DEVICE_DTYPES
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(8, 2, 64), (9, 3, 128)])
+def test_prefill_padded_as_a_graph_batch(device, dtype, n_heads, n_kv, hd):
+    """The grid comes from N_tok and B alone: padding rows and padding
+    sequences (no rows, no context) add programs that return at once, and
+    the real rows come out as without them."""
+    out, ref = run_prefill_mixed(n_heads, n_kv, hd, 16, device, dtype, pad=(37, 5))
+    compare(out, ref, dtype, f"prefill {n_heads}/{n_kv} hd{hd} with 37 padding rows, 5 sequences")
+
+
+@DEVICE_DTYPES
 def test_prefill_matches_decode(device, dtype):
     """A batch of single-token rows through the prefill kernel equals decode."""
     context_lens = [1, 15, 16, 17, 67]
@@ -840,7 +860,7 @@ def test_prefill_matches_decode(device, dtype):
     k_cache, v_cache, block_tables, lens = make_paged_cache(context_lens, 16, 2, 64, dtype, device, gen)
     q, _, _ = fused_qkv_views(len(context_lens), 8, 2, 64, dtype, device, gen)
     cu_seqlens_q = torch.arange(len(context_lens) + 1, dtype=torch.int32, device=device)
-    out = pa.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, 1, 64 ** -0.5)
+    out = pa.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens, 64 ** -0.5)
     compare(out, out_decode, dtype, "prefill vs decode")
 
 
@@ -920,6 +940,24 @@ def test_rope_store_kvcache(device, dtype, n_heads, n_kv, hd):
         slot_mapping[valid].sort().values.tolist(), "exactly the valid slots are written"
 
 
+@DEVICE_DTYPES
+@pytest.mark.parametrize("N_tok,D", [(5, 96), (3, 2048)])
+def test_rms_norm_and_silu_and_mul(device, dtype, N_tok, D):
+    """The elementwise kernels against their references, and the references
+    against the model's own CPU layers (checked against transformers)."""
+    gen = torch.Generator().manual_seed(N_tok)
+    x = torch.randn(N_tok, 2 * D, generator=gen).to(device, dtype)[:, :D]   # strided rows
+    w = torch.randn(D, generator=gen).to(device, dtype)
+    compare(pa.rms_norm(x, w, 1e-5), pa.rms_norm_ref(x.float(), w.float(), 1e-5), dtype,
+            f"rms_norm {N_tok}x{D}")
+    gate_up = torch.randn(N_tok, 2 * D, generator=gen).to(device, dtype)
+    compare(pa.silu_and_mul(gate_up), pa.silu_and_mul_ref(gate_up.float()), dtype,
+            f"silu_and_mul {N_tok}x{D}")
+    cpu = [t.cpu().float() for t in (x, w, gate_up)]
+    assert torch.equal(pa.rms_norm_ref(cpu[0], cpu[1], 1e-5), ns.rms_norm(cpu[0], cpu[1], 1e-5))
+    assert torch.equal(pa.silu_and_mul_ref(cpu[2]), ns.silu_and_mul(cpu[2]))
+
+
 # ----------------------------------------------------------------------------
 # The CPU path (torch SDPA over K/V gathered from the pool) against the same
 # references and NaN-poisoned pools; plain torch, so no interpreter needed.
@@ -967,8 +1005,8 @@ def test_sdpa_reads_consecutive_blocks_in_place():
     compare(out, ref, torch.float32, "decode sdpa in place")
     q = torch.randn(20, n_heads, hd, generator=gen)   # a chunk after a 41-token prefix
     cu = torch.tensor([0, 20], dtype=torch.int32)
-    out = pa.paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu, lens, 20, hd ** -0.5)
-    ref = pa.paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu, lens, 20, hd ** -0.5)
+    out = pa.paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu, lens, hd ** -0.5)
+    ref = pa.paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu, lens, hd ** -0.5)
     compare(out, ref, torch.float32, "prefill sdpa in place")
 
 
@@ -1016,6 +1054,58 @@ def test_decode_cuda_graph():
     ref = pa.paged_attention_decode_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
                                         lens, hd ** -0.5)
     compare(out, ref, torch.bfloat16, "decode replayed from a CUDA graph")
+
+
+@pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
+def test_prefill_cuda_graph():
+    """The varlen prefill kernel captured once for 96 rows and 6 sequences,
+    then replayed on a batch of other lengths, fewer rows and sequences."""
+    n_heads, n_kv, hd, bs = 8, 2, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache, block_tables, lens = make_paged_cache(
+        [70, 40, 33, 17, 9, 1], bs, n_kv, hd, torch.bfloat16, "cuda", gen, extra_cols=4)
+    q = torch.randn(96, n_heads, hd, generator=gen).to("cuda", torch.bfloat16)
+    cu = torch.tensor([0, 30, 40, 73, 90, 95, 96], dtype=torch.int32, device="cuda")
+    out = nan_like(q)
+    args = (q, k_cache, v_cache, block_tables, cu, lens, hd ** -0.5)
+    pa.paged_attention_prefill(*args, out=out)                    # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.paged_attention_prefill(*args, out=out)
+    # 3 real sequences in 50 rows, then padding: rows past 50, sequences of no rows
+    cu.copy_(torch.tensor([0, 40, 41, 50, 50, 50, 50]))
+    lens.copy_(torch.tensor([70, 35, 33, 0, 0, 0]))
+    q.copy_(torch.randn(q.shape, generator=gen))
+    out.fill_(float("nan"))
+    graph.replay()
+    ref = pa.paged_attention_prefill_ref(q.float(), k_cache.float(), v_cache.float(), block_tables,
+                                         cu, lens, hd ** -0.5)
+    compare(out[:50], ref[:50], torch.bfloat16, "prefill replayed from a CUDA graph")
+    assert out[50:].isnan().all(), "a padding row was written"
+
+
+@pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["triton"])
+def test_graphs_equal_eager(tiny, attention):
+    """Every step replayed from a CUDA graph (decode-only and prompt-carrying,
+    padded to several sizes) gives the tokens of the same steps run eagerly:
+    fp32, greedy, chunks of 24 tokens over prompts of 3 to 150, a pool small
+    enough to preempt, and repeated prompts for prefix-cache hits."""
+    path, _ = tiny
+    prompts = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(5, 16)) + [7],
+               list(range(30, 180)), list(range(200, 290))]
+    params = ns.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs, graphs = {}, {}
+    for eager in (True, False):
+        llm = ns.LLM(path, device="cuda", dtype="float32", attention=attention, num_blocks=48,
+                     block_size=8, max_num_batched_tokens=24, max_num_seqs=4, enforce_eager=eager)
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+        graphs[eager] = llm.engine.runner.graph_sizes
+        assert llm.stats()["num_preemptions"] > 0 and llm.stats()["num_cached_tokens"] > 0
+        check_pool_is_free(llm.engine)
+    print("graph sizes:", graphs[False])
+    assert graphs[True] == {True: [], False: []} and graphs[False][False] == [16, 24]
+    assert outs[False] == outs[True]
 
 
 # ---------------------------------------------------------------------------
@@ -1524,8 +1614,8 @@ def test_content_parts_tool_turns_and_models_retrieve(client):
     assert e.value.status_code == 404
 
 
-REFUSED = [({"response_format": {"type": "json_object"}}, "response_format"),
-           ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+REFUSED = [({"response_format": {"type": "yaml"}}, "response_format"),
+           ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
            ({"tool_choice": "required"}, "tool_choice"),
            ({"best_of": 3}, "best_of"),
            ({"min_tokens": 4}, "min_tokens"),                   # not known: never ignored
@@ -1547,6 +1637,191 @@ def test_refused_fields_name_themselves(server, client):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "best_of": 2, "n": 2,
                                                         "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+# -- structured output: JSON mode, JSON schemas and forced tool calls --
+
+PERSON = {   # every kind of constraint the tests check, strings and arrays bounded
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "color": {"enum": ["red", "green", "blue"]},
+        "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
+                    "properties": {"city": {"type": "string", "maxLength": 20},
+                                   "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}}},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}},
+    "required": ["name", "age", "color", "address", "tags"],
+    "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}},
+    "required": ["zone"], "additionalProperties": False}}}
+
+
+def check_person(text):
+    """The text parses and conforms to PERSON: enum, bounds, required keys, no others."""
+    v = json.loads(text)
+    assert set(v) == set(PERSON["required"]), v
+    assert isinstance(v["name"], str) and len(v["name"]) <= 20, v
+    assert type(v["age"]) is int and 18 <= v["age"] <= 99, v
+    assert v["color"] in ("red", "green", "blue"), v
+    assert set(v["address"]) == {"city", "zip"} and type(v["address"]["zip"]) is int, v
+    assert 10000 <= v["address"]["zip"] <= 99999 and len(v["address"]["city"]) <= 20, v
+    assert len(v["tags"]) <= 3 and all(isinstance(t, str) and len(t) <= 10 for t in v["tags"]), v
+    return v
+
+
+def check_weather_call(call, name="get_weather"):
+    assert call.type == "function" and call.function.name == name and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    if name == "get_weather":
+        assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit"), args
+    else:
+        assert set(args) == {"zone"} and len(args["zone"]) <= 10, args
+    return args
+
+
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                        "strict": True}}
+ASK_PERSON = [{"role": "user", "content": "Make up a person and describe them as JSON."}]
+
+
+def test_json_schema_output(client):
+    """Greedy and at temperature 1 with several seeds, every answer conforms to
+    a strict schema and finishes with "stop"; streamed equals non-streamed."""
+    kw = dict(model=MODEL, messages=ASK_PERSON, response_format=PERSON_FORMAT, max_tokens=200)
+    greedy = client.chat.completions.create(temperature=0, **kw).choices[0]
+    print("greedy:", greedy.message.content)
+    check_person(greedy.message.content)
+    assert greedy.finish_reason == "stop"
+    text, chunks = stream_chat(client, temperature=0, **kw)
+    assert text == greedy.message.content and chunks[-1].choices[0].finish_reason == "stop"
+    sampled = client.chat.completions.create(temperature=1.0, seed=7, n=4, **kw).choices
+    for c in sampled:
+        print("sampled:", c.message.content)
+        check_person(c.message.content)
+        assert c.finish_reason == "stop"
+    assert len({c.message.content for c in sampled}) > 1, "seeds 7 to 10 all gave the same text"
+    obj = client.chat.completions.create(temperature=0, **{**kw, "response_format": {
+        "type": "json_object"}}).choices[0].message.content
+    assert isinstance(json.loads(obj), dict)
+    r = client.completions.create(model=MODEL, prompt="A person, as JSON:", max_tokens=200,
+                                  temperature=0, extra_body={"response_format": PERSON_FORMAT})
+    check_person(r.choices[0].text)
+
+
+def test_openai_parse_returns_the_pydantic_object(client):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Address(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=20)
+        zip: int = pydantic.Field(ge=10000, le=99999)
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        age: int = pydantic.Field(ge=18, le=99)
+        address: Address
+
+    r = client.chat.completions.parse(model=MODEL, messages=ASK_PERSON, response_format=Person,
+                                      temperature=0, max_tokens=200)
+    person = r.choices[0].message.parsed
+    print("parsed:", person)
+    assert isinstance(person, Person) and 18 <= person.age <= 99
+
+
+def test_forced_tool_calls(client):
+    """A named tool and "required" come back as tool_calls whose arguments fit
+    the tool's parameters, with content null and finish_reason "tool_calls",
+    streamed (as delta.tool_calls) and not."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice, name in [({"type": "function", "function": {"name": "get_time"}}, "get_time"),
+                         ("required", None)]:
+        kw = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
+                  temperature=0, max_tokens=100)
+        r = client.chat.completions.create(**kw).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.content is None
+        [call] = r.message.tool_calls
+        args = check_weather_call(call, name or call.function.name)
+        print(choice, "->", call.function.name, args)
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert len(calls) == 1 and calls[0].function.name == call.function.name
+        assert json.loads(calls[0].function.arguments) == args
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # earlier calls and their results go through the chat template
+    turns = [*messages, r.message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"}]
+    r = client.chat.completions.create(model=MODEL, messages=turns, tools=[WEATHER],
+                                       tool_choice="none", temperature=0, max_tokens=8)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
+     "response_format"),                                           # the library cannot compile it
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": "json_object"}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 3}}},
+     "tool_choice.function.name"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"stream_options": {"unknown": True}}, "stream_options.unknown"),
+]
+
+
+def test_structured_output_bad_input_is_a_400(server):
+    idle = wait_idle(server)
+    for fields, param in BAD_STRUCTURED:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+        error = assert_error(r, 400)
+        assert error["param"] == param, (fields, error)
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json={"prompt": "hi", "response_format": {"type": "xml"}})
+    assert assert_error(r, 400)["param"] == "response_format"
+    assert wait_idle(server)["nanoserve_generated_tokens_total"] == \
+        idle["nanoserve_generated_tokens_total"]
+
+
+def test_constrained_rows_in_the_engine(smol_llm):
+    """Offline: unconstrained requests batched with constrained ones are token
+    for token what they are alone; a constrained request preempted and
+    recomputed comes out as it does without preemption."""
+    grammar = smol_llm.front.grammar(json.dumps(PERSON))
+    prompt = smol_llm.front.chat_template.render(ASK_PERSON)
+    constrained = [ns.SamplingParams(temperature=t, seed=3, max_tokens=200, grammar=grammar)
+                   for t in (0, 1.0)]
+    alone = smol_llm.generate(SMOL_PROMPTS[:2], GREEDY)
+    mixed = smol_llm.generate([prompt, SMOL_PROMPTS[0], prompt, SMOL_PROMPTS[1]],
+                              [constrained[0], GREEDY, constrained[1], GREEDY])
+    assert [mixed[1].token_ids, mixed[3].token_ids] == [o.token_ids for o in alone]
+    for o in (mixed[0], mixed[2]):
+        check_person(o.text)
+        assert o.finish_reason == "stop"
+    print("constrained output lengths:", len(mixed[0].token_ids), len(mixed[2].token_ids))
+    # each needs 9-10 blocks of 8 at the end: 14 cannot hold both
+    small = ns.LLM(SMOL_DIR, device="cpu", num_blocks=14, block_size=8, enable_prefix_caching=False)
+    preempted = small.generate([prompt, prompt], [dataclasses.replace(p, max_tokens=60)
+                                                  for p in constrained])
+    assert small.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in preempted] == [mixed[0].token_ids, mixed[2].token_ids]
+    check_pool_is_free(small.engine)
+    check_pool_is_free(smol_llm.engine)
 
 
 BAD_INPUTS = [  # raw bodies: none of them may reach a 500
