@@ -444,9 +444,9 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 # sized from N_tok and B alone, never from the sequences' lengths, so a CUDA
 # graph captured for N_tok tokens and B sequences replays any batch that fits.
 
-PREFILL_BLOCK_M = 128  # rows (query token, head of the group) per program
+PREFILL_BLOCK_M = 64   # rows (query token, head of the group) per program
 PREFILL_BLOCK_N = 64   # context tokens per KV tile
-PREFILL_NUM_WARPS = 8
+PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 3
 
 

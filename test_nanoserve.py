@@ -1097,7 +1097,7 @@ def test_graphs_equal_eager(tiny, attention):
     params = ns.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     outs, graphs = {}, {}
     for eager in (True, False):
-        llm = ns.LLM(path, device="cuda", dtype="float32", attention=attention, num_blocks=48,
+        llm = ns.LLM(path, device="cuda", dtype="float32", attention=attention, num_blocks=30,
                      block_size=8, max_num_batched_tokens=24, max_num_seqs=4, enforce_eager=eager)
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
         graphs[eager] = llm.engine.runner.graph_sizes
