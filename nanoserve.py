@@ -868,9 +868,9 @@ class ModelRunner:
             context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
-        self.num_blocks = self.allocate_kv_cache()
         self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
         self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
+        self.num_blocks = self.allocate_kv_cache()
         # The torch attention reads lengths on the host, which a graph cannot
         # capture: graphs go with the Triton kernels only.
         if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
