@@ -14,6 +14,8 @@ the same inputs.
     kernel      the paged-attention decode kernel against its torch reference
                 and SDPA on contiguous K/V, over batch x context
     prefix      shared-prefix requests with prefix caching on and off
+    structured  offline throughput with 0%, 10% and 100% of the requests
+                constrained to a JSON schema, and the host time of the masks
 
 Every number is taken after a warm-up and with the device synchronized, and
 each setting prints one line with a hardware-relative figure next to the raw
@@ -44,6 +46,7 @@ mean nothing):
     python bench.py latency --device cpu --random tiny
     python bench.py serve --device cpu --random tiny
     python bench.py prefix --device cpu --random tiny
+    python bench.py structured --device cpu --model weights/SmolLM2-135M-Instruct
     TRITON_INTERPRET=1 python bench.py kernel --device cpu
 
 Dimension letters: B sequences in a batch, T tokens of one sequence, n_heads
@@ -576,10 +579,11 @@ def plot_bars(values, ylabel, title, out_dir, name):
 # their times (above 1: nanoserve is faster).
 
 
-def decode_line(system, setting, shape, hw, B, ctx, steps, seconds):
+def decode_line(system, setting, shape, hw, B, ctx, steps, seconds, **more):
     step = seconds / steps
     gbps = shape.decode_step_bytes(B, ctx) / step / 1e9
-    report(system, setting, tok_s=B * steps / seconds, ms_per_step=1e3 * step, gb_s=gbps,
+    report(system, setting, tok_s=B * steps / seconds, **more, ms_per_step=1e3 * step,
+           weight_mb_per_tok=shape.decode_step_bytes(B, 0) / B / 1e6, gb_s=gbps,
            pct_copy=100 * gbps / hw["copy_GB_s"])
     return B * steps / seconds
 
@@ -597,11 +601,14 @@ def latency_nanoserve(args, model_dir, shape, hw, rng):
                    **({} if args.max_num_batched_tokens else
                       {"max_num_batched_tokens": max(8192, max(args.prefill_lens))}))
     nanoserve_generate(llm, random_prompts(rng, shape.vocab_size, [32, 48]), 8)  # warm-up
-    # -- (a) batch-1 decode --
+    # -- (a) batch-1 decode; with_prefill_tok_s: the whole request's wall time --
     o = nanoserve_generate(llm, random_prompts(rng, shape.vocab_size, [args.prompt_len]), args.decode_len)[0]
     decode_line("nanoserve", f"decode B=1 T={args.prompt_len}+{args.decode_len}", shape, hw, 1,
                 args.prompt_len + args.decode_len / 2, len(o.token_ids) - 1,
-                o.finish_time - o.first_token_time)
+                o.finish_time - o.first_token_time,
+                with_prefill_tok_s=len(o.token_ids) / (o.finish_time - o.arrival_time))
+    if args.device.startswith("cuda"):
+        profile_batch1(llm, shape, rng, args)
     # -- (b) prefill --
     for T in args.prefill_lens:
         ttfts = []
@@ -613,6 +620,23 @@ def latency_nanoserve(args, model_dir, shape, hw, rng):
     return {B: decode_by_difference(
         "nanoserve", args, shape, hw, B, rng,
         lambda prompts, n: nanoserve_generate(llm, prompts, n)) for B in args.batch_sizes}
+
+
+def profile_batch1(llm, shape, rng, args, steps=64):
+    """Where one batch-1 decode token's device time goes: torch.profiler over
+    `steps` decode steps, kernel time summed by name, per token."""
+    from torch.profiler import ProfilerActivity, profile
+    prompt = random_prompts(rng, shape.vocab_size, [args.prompt_len])
+    nanoserve_generate(llm, prompt, steps)                      # the same sizes, warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        nanoserve_generate(llm, prompt, steps)
+    rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    total = sum(us for _, _, us in rows)
+    log(f"batch-1 decode, per token over {steps} steps (the prefill included): "
+        f"{total / steps:.0f} us of device time, {sum(n for _, n, _ in rows) / steps:.0f} launches")
+    for name, n, us in sorted(rows, key=lambda r: -r[2])[:14]:
+        log(f"  {us / steps:8.1f} us  {n / steps:5.1f} x  {name[:90]}")
 
 
 def latency_transformers(args, model_dir, shape, hw, rng):
@@ -1054,6 +1078,65 @@ def plot_kernel(curves, hw, out_dir):
 
 
 # ---------------------------------------------------------------------------
+# Mode: structured
+# Offline throughput with a share of the requests constrained to a JSON schema
+# (none, a tenth, all), greedy with EOS ignored: what the grammars cost the
+# whole batch, and the host time of filling their masks, per step and per row.
+# The grammar needs a real tokenizer: a random model gets --tokenizer's.
+
+LIST_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
+               "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12}}}}
+
+
+def with_tokenizer(model_dir, tokenizer_dir):
+    """A folder with model_dir's weights and tokenizer_dir's tokenizer (links)."""
+    path = Path(str(model_dir) + "-tok")
+    path.mkdir(exist_ok=True)
+    files = [f for f in Path(model_dir).iterdir() if not f.name.startswith("tokenizer")]
+    for f in files + [Path(tokenizer_dir) / "tokenizer.json", Path(tokenizer_dir) / "tokenizer_config.json"]:
+        (path / f.name).unlink(missing_ok=True)
+        (path / f.name).symlink_to(f.resolve())
+    return path
+
+
+def structured(args, model_dir, hw):
+    """Throughput with 0%, 10% and 100% of the requests constrained to a JSON schema."""
+    from nanoserve import SamplingParams
+    model_dir = with_tokenizer(model_dir, args.tokenizer) if args.tokenizer else model_dir
+    llm = make_llm(args, model_dir)
+    grammar = llm.front.grammar(json.dumps(LIST_SCHEMA))
+    runner, masks = llm.engine.runner, [0, 0, 0.0]   # steps with a mask, rows, seconds
+    fill = runner.token_masks
+
+    def timed_masks(seqs):
+        start, out = time.perf_counter(), fill(seqs)
+        if out is not None:
+            masks[0], masks[1], masks[2] = masks[0] + 1, masks[1] + len(out[0]), \
+                masks[2] + time.perf_counter() - start
+        return out
+    runner.token_masks = timed_masks
+    rng = random.Random(0)
+    vocab = min(llm.engine.cfg.vocab_size, llm.front.tokenizer.get_vocab_size())
+    prompts = random_prompts(rng, vocab, [rng.randint(args.min_input, args.max_input)
+                                          for _ in range(args.num_seqs)])
+    base = None
+    for share in args.shares:
+        num = round(share * len(prompts))
+        params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                                 grammar=grammar if i % len(prompts) < num else None)
+                  for i in range(len(prompts))]
+        llm.generate(prompts[:4], params[:4])                  # warm-up
+        masks[:] = [0, 0, 0.0]
+        seconds, outs = timed(lambda: llm.generate(prompts, params), args.device)
+        tokens = sum(len(o.token_ids) for o in outs)
+        base = base or tokens / seconds
+        report("nanoserve", f"{share:.0%} of {len(prompts)} constrained", output_tok_s=tokens / seconds,
+               vs_none=tokens / seconds / base, mean_output_len=tokens / len(prompts),
+               mask_ms_per_step=1e3 * masks[2] / max(1, masks[0]),
+               mask_us_per_row=1e6 * masks[2] / max(1, masks[1]))
+
+
+# ---------------------------------------------------------------------------
 # Mode: prefix
 # Requests that share one long prefix (a system prompt, few-shot examples).
 # With prefix caching, the prefix's KV blocks are computed once and shared.
@@ -1115,7 +1198,8 @@ def rate_list(s):
     return [math.inf if x.strip() in ("inf", "infinity") else float(x) for x in s.split(",")]
 
 
-MODES = {"throughput": throughput, "latency": latency, "serve": serve, "kernel": kernel, "prefix": prefix}
+MODES = {"throughput": throughput, "latency": latency, "serve": serve, "kernel": kernel, "prefix": prefix,
+         "structured": structured}
 
 # Sizes of each mode: (flag, type, GPU default, CPU default, help).
 SIZE_FLAGS = {
@@ -1151,6 +1235,14 @@ SIZE_FLAGS = {
         ("prefix_len", int, 1024, 256, "shared prefix tokens"),
         ("suffix_len", int, 32, 16, "tokens of each request's own suffix"),
         ("output_len", int, 32, 8, "output tokens")],
+    "structured": [
+        ("num_seqs", int, 256, 16, "requests"),
+        ("min_input", int, 100, 8, "shortest prompt"), ("max_input", int, 1024, 32, "longest prompt"),
+        ("output_len", int, 256, 16, "most output tokens (a grammar may end a request sooner)"),
+        ("shares", lambda s: [float(x) for x in s.split(",")], [0.0, 0.1, 1.0], [0.0, 0.1, 1.0],
+         "shares of the requests constrained, comma-separated"),
+        ("tokenizer", str, None, None, "folder whose tokenizer a random model takes (the grammar "
+                                       "needs real tokens)")],
 }
 
 

@@ -49,6 +49,7 @@ Dimension letters, used in every shape comment:
 """
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,26 @@ import triton.language as tl
 # small torch helpers the references share.
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * LOG2E); exp2 is one GPU instruction
+
+# Programmatic dependent launch (Hopper and newer): a kernel launched with it
+# may start while the kernel before it is still finishing, and waits for that
+# kernel's results (gdc_wait) only where it reads them; until then it can load
+# what does not depend on them, such as a matmul's weights. The kernels of a
+# decode step use it, each waiting before its first read of an earlier
+# kernel's output and before any early return, so that every kernel's
+# completion still implies its predecessors'. Not in Triton's interpreter.
+USE_PDL = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+           and os.environ.get("TRITON_INTERPRET") != "1")
+PDL_LAUNCH = {"launch_pdl": True} if USE_PDL else {}  # the launch option, where it applies
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr):
+    """With PDL: wait until the kernel before has finished and its writes are
+    visible, then let the next kernel start its own independent prologue."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _is_pow2(n):
@@ -262,6 +283,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,     # tokens per KV tile
     NUM_SPLITS: tl.constexpr,  # splits per sequence (power of two)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the tensor-core default
+    PDL: tl.constexpr,         # launched with programmatic dependent launch (USE_PDL)
 ):
     """Program (kv head, b, split) attends the G query heads of one kv head to
     one contiguous chunk of sequence b's context.
@@ -291,6 +313,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
+    _wait_for_inputs(PDL)  # q comes from the kernel before
     L = tl.load(context_lens_ptr + b)
 
     offs_g = tl.arange(0, G_PAD)
@@ -350,6 +373,7 @@ def _decode_reduce_kernel(
     stride_oh,     # out stride between heads
     HEAD_DIM: tl.constexpr,    # hd
     NUM_SPLITS: tl.constexpr,  # splits per sequence (power of two)
+    PDL: tl.constexpr,         # launched with programmatic dependent launch (USE_PDL)
 ):
     """Program (b, head) merges the splits of one query head.
 
@@ -359,6 +383,7 @@ def _decode_reduce_kernel(
     """
     b = tl.program_id(0)
     head = tl.program_id(1)
+    _wait_for_inputs(PDL)
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_part = (b * num_heads + head) * NUM_SPLITS + offs_s  # (NUM_SPLITS,)
@@ -425,13 +450,13 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=hd, BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        PDL=USE_PDL, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **PDL_LAUNCH,
     )
     if num_splits == 1:
         return out
     _decode_reduce_kernel[(B, n_heads)](
         part_out, part_lse, out, n_heads, out.stride(0), out.stride(1),
-        HEAD_DIM=hd, NUM_SPLITS=num_splits, num_warps=4,
+        HEAD_DIM=hd, NUM_SPLITS=num_splits, PDL=USE_PDL, num_warps=4, **PDL_LAUNCH,
     )
     return out
 
@@ -722,6 +747,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,      # x -> norm_w * RMSNorm(x)
     SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
     RESIDUAL: tl.constexpr,  # out = residual + x W^T
+    PDL: tl.constexpr,       # launched with programmatic dependent launch (USE_PDL)
 ):
     """Program (m, tile, split) computes out[m, tile * BLOCK_N : (tile + 1) * BLOCK_N]
     over the split-th of SPLIT_K equal runs of K.
@@ -765,6 +791,10 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, BLOCK_K) at column 0
     w = tl.load(w_ptrs + k_lo, mask=mask_n[:, None] & (offs_k + k_lo < k_hi)[None, :], other=0.0)
+    # The weights depend on no earlier kernel: with PDL their first tile is
+    # on its way while that kernel finishes; x, the residual and the split-K
+    # counts are read only after the wait.
+    _wait_for_inputs(PDL)
 
     if NORM:  # -- first pass: 1 / rms of the whole row, whatever the split --
         sum_sq = tl.zeros([BLOCK_K], tl.float32)
@@ -877,7 +907,8 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         N, K, eps, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(0) if residual is None else residual.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, NORM=norm_weight is not None,
-        SILU_MUL=silu_mul, RESIDUAL=residual is not None, num_warps=4,
+        SILU_MUL=silu_mul, RESIDUAL=residual is not None, PDL=USE_PDL, num_warps=4,
+        **PDL_LAUNCH,
     )
     return out
 
@@ -919,6 +950,7 @@ def _rope_store_kvcache_kernel(
     N_HEADS_PAD: tl.constexpr,  # n_heads rounded up to a power of two
     N_KV_PAD: tl.constexpr,     # n_kv rounded up to a power of two
     HEAD_DIM: tl.constexpr,     # hd
+    PDL: tl.constexpr,          # launched with programmatic dependent launch (USE_PDL)
 ):
     """One program handles one token: q and k rotated by the token's position
     (x1, x2 = halves; x -> [x1 cos - x2 sin, x2 cos + x1 sin], in fp32), then
@@ -927,6 +959,7 @@ def _rope_store_kvcache_kernel(
     Memory traffic: q read and written, k and v read and written once."""
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0)
+    _wait_for_inputs(PDL)  # q, k and v come from the kernel before
     pos = tl.load(positions_ptr + t)
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * HALF + offs_d)[None, :]  # (1, HALF)
@@ -991,7 +1024,7 @@ def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, 
         q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, n_heads, n_kv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N_HEADS_PAD=triton.next_power_of_2(n_heads), N_KV_PAD=triton.next_power_of_2(n_kv),
-        HEAD_DIM=hd,
+        HEAD_DIM=hd, PDL=USE_PDL, **PDL_LAUNCH,
     )
 
 
