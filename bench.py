@@ -1092,10 +1092,13 @@ def with_tokenizer(model_dir, tokenizer_dir):
     """A folder with model_dir's weights and tokenizer_dir's tokenizer (links)."""
     path = Path(str(model_dir) + "-tok")
     path.mkdir(exist_ok=True)
-    files = [f for f in Path(model_dir).iterdir() if not f.name.startswith("tokenizer")]
+    files = [f for f in Path(model_dir).iterdir() if not f.name.startswith(("tokenizer", "config"))]
     for f in files + [Path(tokenizer_dir) / "tokenizer.json", Path(tokenizer_dir) / "tokenizer_config.json"]:
         (path / f.name).unlink(missing_ok=True)
         (path / f.name).symlink_to(f.resolve())
+    config = json.loads((Path(model_dir) / "config.json").read_text())   # its EOS: the tokenizer's
+    config["eos_token_id"] = json.loads((Path(tokenizer_dir) / "config.json").read_text())["eos_token_id"]
+    (path / "config.json").write_text(json.dumps(config))
     return path
 
 
