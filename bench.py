@@ -70,6 +70,7 @@ import subprocess
 import sys
 import time
 import traceback
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1128,7 +1129,7 @@ def structured(args, model_dir, hw):
         params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                                  grammar=grammar if i % len(prompts) < num else None)
                   for i in range(len(prompts))]
-        llm.generate(prompts[:4], params[:4])                  # warm-up
+        llm.generate(prompts, [dataclasses.replace(p, max_tokens=4) for p in params])  # warm-up
         masks[:] = [0, 0, 0.0]
         seconds, outs = timed(lambda: llm.generate(prompts, params), args.device)
         tokens = sum(len(o.token_ids) for o in outs)

@@ -3,9 +3,10 @@
 This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big
 engines do, small enough to read in an afternoon: a paged KV cache with a
 block allocator and prefix caching, a continuous-batching scheduler that
-mixes chunked prefills and decodes in one step, batched sampling, CUDA graphs
-for decode, and an OpenAI-compatible HTTP server with SSE streaming. The
-paged-attention kernels live next door in paged_attention.py.
+mixes chunked prefills and decodes in one step, batched sampling with
+grammars for structured output, CUDA graphs for every step, and an
+OpenAI-compatible HTTP server with SSE streaming. The paged-attention
+kernels live next door in paged_attention.py.
 
 Left out on purpose: tensor parallelism, quantization, speculative decoding,
 LoRA, beam search, multimodal inputs and every model family but Llama.
@@ -246,24 +247,20 @@ def load_weights(model: nn.Module, cfg: Config):
 # over the paged cache, and the SwiGLU MLP. Every layer works on a flat batch
 # of tokens (N_tok, D): sequence boundaries live only in AttentionMetadata.
 
-def rms_norm(x, weight, eps: float):                           # (N_tok, D)
-    # Normalize in fp32 and cast back before the weight, as transformers
-    # does, so bf16 results round the same way. On the GPU one Triton kernel
-    # does this (pa.rms_norm): as torch ops it is six launches, each a pass
-    # over memory, and at small batches launches cost as much as the matmuls.
-    if x.is_cuda:
-        return pa.rms_norm(x, weight, eps)
-    h = x.float()                               # fp32: squares of bf16 activations would lose bits
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (N_tok, D) / rms over D
-    return weight * h.to(x.dtype)
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))  # weight: (D,)
 
     def forward(self, x):                                      # (N_tok, D)
-        return rms_norm(x, self.weight, self.eps)
+        # Normalize in fp32 and cast back before the weight, as transformers
+        # does, so bf16 results round the same way. On the GPU one Triton
+        # kernel (pa.rms_norm) does this: as torch ops, six launches and passes.
+        if x.is_cuda:
+            return pa.rms_norm(x, self.weight, self.eps)
+        h = x.float()                           # fp32: squares of bf16 activations would lose bits
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # (N_tok, D) / rms over D
+        return self.weight * h.to(x.dtype)
 
 def rope_inv_freq(cfg: Config) -> torch.Tensor:
     """Rotation frequency of each channel pair, with llama3 scaling if configured."""
@@ -310,12 +307,6 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor        # (B+1,) int32, start of each sequence in N_tok
     is_decode: bool                   # every sequence brings exactly one new token
 
-def silu_and_mul(gate_up):                                     # (N_tok, 2 I)
-    if gate_up.is_cuda:                         # one launch, not two (pa.silu_and_mul)
-        return pa.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)                        # (N_tok, I) each
-    return F.silu(gate) * up
-
 def linear(x, weight, fused: bool, norm: Optional[RMSNorm] = None, silu_mul: bool = False,
            residual=None):                                     # (N_tok, K) -> (N_tok, N)
     """residual + f(x) @ weight.T, f being the RMSNorm `norm`, SiLU-and-mul or nothing.
@@ -329,7 +320,9 @@ def linear(x, weight, fused: bool, norm: Optional[RMSNorm] = None, silu_mul: boo
     if fused and x.is_cuda and x.shape[0] <= pa.GEMV_MAX_ROWS:
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         return pa.gemv(x, weight, norm_weight, eps, silu_mul, residual)
-    x = silu_and_mul(x) if silu_mul else x
+    if silu_mul:                      # SwiGLU's activation; one launch on the GPU (pa.silu_and_mul)
+        gate, up = x.chunk(2, dim=-1)                          # (N_tok, I) each
+        x = pa.silu_and_mul(x) if x.is_cuda else F.silu(gate) * up
     y = F.linear(x if norm is None else norm(x), weight)   # (N_tok, N)
     return y if residual is None else residual + y
 
@@ -344,9 +337,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.scale = self.hd ** -0.5                       # softmax(q k^T / sqrt(hd))
-        # the Triton kernels read the paged pool directly; the CPU path (sdpa)
-        # gathers it for torch's flash attention; the plain torch references
-        # are what both are tested against (see pa.ATTENTION)
+        # triton, sdpa (the CPU path) or the torch references (pa.ATTENTION)
         self.rope_store, self.attend = pa.ATTENTION[cfg.attention]
         self.fused = cfg.attention == "triton"   # the Triton GEMV too
         # This layer's slice of the KV pool, set by ModelRunner.allocate_kv_cache.
@@ -531,11 +522,10 @@ def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 def argmax_rows(logits):                                      # (B, V)
-    """argmax over the vocabulary, as a two-level reduction: a lone row is
-    too little work for one reduction kernel (one block would walk all V
-    entries, ~25 us for Llama-3's vocabulary), so each row is cut into 64
-    chunks reduced side by side first. Ties go to the first index, as in
-    torch.argmax."""
+    """argmax over the vocabulary, as a two-level reduction: a lone row is too little work for
+    one reduction kernel (one block would walk all V entries, ~25 us for Llama-3's vocabulary),
+    so each row is cut into 64 chunks reduced side by side first. Ties go to the first index,
+    as in torch.argmax."""
     B, V = logits.shape                                    # rows, vocabulary
     if V % 64:
         return logits.argmax(dim=-1)
@@ -667,10 +657,9 @@ class Sequence:
         #              on the device;
         #   resolved:  EngineCore._commit appends it to token_ids (or drops it if
         #              the sequence ended meanwhile) and takes the 1 off.
-        # When schedule runs it is 0 or 1: 0 after a non-final prefill chunk
-        # (which samples nothing) and for a waiting sequence; it is 2 only
-        # between a _launch and the _commit of the step before. So
-        # num_computed_tokens runs ahead of len(token_ids) by this count.
+        # When schedule runs it is 0 or 1: 0 after a non-final prefill chunk (which samples
+        # nothing) and for a waiting sequence; it is 2 only between a _launch and the _commit of
+        # the step before. So num_computed_tokens runs ahead of len(token_ids) by this count.
         self.num_pending_tokens = 0
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
@@ -816,14 +805,13 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On
-# CUDA every step replays a CUDA graph captured for its kind and size, which
-# removes the two hundred kernel launches per step that would otherwise keep
-# the device waiting on the host.
+# CUDA every step replays a CUDA graph captured for its kind and size: one
+# launch for the two hundred kernels that would keep the device waiting.
 
 @dataclass
 class StepInputs:
-    """A scheduled batch flattened for one forward pass (ModelRunner.prepare):
-    views of the runner's input buffers, padded to a graph's size if one replays."""
+    """A scheduled batch flattened into the runner's input buffers (prepare), padded to a graph's
+    size if one replays it."""
     input_ids: torch.Tensor           # (N_tok,) int64; a pending token's row is filled by launch
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
@@ -848,18 +836,16 @@ class ModelRunner:
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.use_cuda = self.device.type == "cuda"
         if self.device.type == "cpu":
-            # One thread per core the engine may use: torch counts physical cores,
-            # not the CPUs a container or taskset grants, and extra threads only
-            # contend. Set here, where the step loop runs, not in the server.
-            # (macOS has no affinity mask.)
+            # One thread per core the engine may use: torch counts physical cores, not the CPUs
+            # a container or taskset grants, and extra threads only contend. Set here, where
+            # the step loop runs, not in the server. (macOS has no affinity mask.)
             affinity = getattr(os, "sched_getaffinity", None)
             cpus = len(affinity(0)) if affinity else os.cpu_count()
             torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-        # Every step's inputs are written into these buffers, sized for the
-        # largest step: a CUDA graph reads its inputs from the addresses it was
-        # captured with, so a replay needs only new values there.
+        # Every step's inputs go into these buffers, sized for the largest step:
+        # a CUDA graph reads from the addresses it was captured with.
         S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
         self.buffers = dict(
             input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
@@ -868,6 +854,7 @@ class ModelRunner:
             context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
+        self.llg_executor = llguidance.LLExecutor()   # fills grammar masks (token_masks)
         self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
         self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
         self.num_blocks = self.allocate_kv_cache()
@@ -893,8 +880,7 @@ class ModelRunner:
         elif self.use_cuda:
             # Run the largest possible step once, so the activations' peak is
             # known; the KV pool gets what is left of the allowed fraction. The
-            # CUDA graphs' shared memory pool holds the same activations: its
-            # largest graph is a step of this size (capture_cuda_graphs).
+            # CUDA graphs' shared pool holds the same activations, no more.
             peak = self._profile_peak_bytes()
             total = torch.cuda.get_device_properties(self.device).total_memory
             num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
@@ -930,8 +916,7 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
 
     def _put(self, buffer, values):
-        """Copy host values into the start of a buffer (from pinned memory: the
-        copy is queued on the stream, behind the step that reads the old values)."""
+        """Host values into the start of a buffer, queued behind the step before."""
         host = torch.as_tensor(np.asarray(values), dtype=buffer.dtype)
         view = buffer[tuple(slice(0, n) for n in host.shape)]
         view.copy_(host.pin_memory() if self.use_cuda else host, non_blocking=True)
@@ -1014,23 +999,23 @@ class ModelRunner:
         if not rows:
             return None                    # the common case: one check per row
         bitmask = np.empty((len(rows), -(-self.cfg.vocab_size // 32)), dtype=np.int32)
-        for i, row in enumerate(rows):
-            llguidance.numpy.fill_next_token_bitmask(seqs[row].matcher.result(), bitmask, i)
+        matchers = [(seqs[row].matcher.result(), i) for i, row in enumerate(rows)]
+        llguidance.numpy.fill_next_token_bitmask_par(self.llg_executor, matchers, bitmask)
         return self.to_device(rows, torch.int64), self.to_device(bitmask, torch.int32)
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
-        """apply_logit_edits' entries: for each row with a bias or a penalty, one
-        entry per distinct token that has either. The tokens are counted on the
-        host (so EngineCore reads a penalized row's last token back before it
-        launches the next step), with numpy: a Python loop over a long
-        prompt's tokens would cost milliseconds per step."""
+        """apply_logit_edits' entries: for each row with a bias or a penalty, one entry per
+        distinct token that has either. The tokens are counted on the host (so EngineCore reads
+        a penalized row's last token back before it launches the next step), with numpy: a
+        Python loop over a long prompt's tokens would cost milliseconds per step."""
         entries = []                                           # (5, n) per edited row
         for row, seq in enumerate(seqs):
             p = seq.params
             if not p.logit_bias and not p.needs_output_history:
                 continue                   # the common case: two checks per row
             # the tokens the repetition penalty looks at (prompt too), or just the output
-            seen = seq.token_ids if p.repetition_penalty != 1 else seq.token_ids[seq.num_prompt_tokens:]
+            output = seq.token_ids[seq.num_prompt_tokens:]
+            seen = seq.token_ids if p.repetition_penalty != 1 else output
             # ids: each distinct token of `seen` and of logit_bias; at[i]: where in
             # ids the i-th of them is (the output is the tail of `seen`)
             ids, at = np.unique([*seen, *p.logit_bias], return_inverse=True)
@@ -1067,11 +1052,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def sample(self, step: LaunchedStep):
-        """Sample a launched step's rows and start copying the tokens back.
-        EngineCore calls this once the step before has been read back, while
-        the device still runs this step's forward pass: a row's penalties and
-        grammar then count every token so far on the host, and the device
-        never waits for them."""
+        """Sample a launched step's rows and start copying the tokens back;
+        called once the step before is read back, while the device still runs
+        this one's forward pass: penalties and grammars see every token so far."""
         if not step.seqs:
             return
         step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs))
@@ -1100,13 +1083,10 @@ class ModelRunner:
                     chosen.tolist(), top.indices.tolist(), top.values.tolist())]
 
     # -- CUDA graphs --
-    # A graph replays every kernel of one forward pass in one launch, reading
-    # its inputs from the buffers above. A decode step replays the graph of
-    # the next captured batch size up (1, 2, 4, 8, then every 16 up to
-    # max_num_seqs), whose attention is the decode kernel; a step that carries
-    # prompt tokens replays the graph of the next captured token count up
-    # (every 16 up to 256, then 8 sizes per doubling up to
-    # max_num_batched_tokens), whose attention is the varlen prefill kernel.
+    # A graph replays a whole forward pass, reading its inputs from the buffers above. A decode
+    # step replays the graph of the next batch size up (1, 2, 4, 8, then every 16), whose attention
+    # is the decode kernel; a step with prompt tokens that of the next token count up (every 16 up
+    # to 256, then 8 sizes per doubling), whose attention is the varlen prefill kernel.
     def _graph_key(self, is_decode: bool, num_tokens: int) -> Optional[tuple]:
         sizes = self.graph_sizes[is_decode]
         i = bisect.bisect_left(sizes, num_tokens)
@@ -1124,9 +1104,8 @@ class ModelRunner:
         keys = sorted(((kind, n) for kind in (True, False) for n in self.graph_sizes[kind]),
                       key=lambda key: -key[1])   # largest first: the others reuse its memory
         b, pool = self.buffers, None           # one memory pool, shared by every graph
-        b["slot_mapping"].fill_(-1)            # no step in the buffers: the warm-ups and
-        b["context_lens"].zero_()              # captures write nothing and read nothing
-        b["cu_seqlens_q"].zero_()
+        for name in ("slot_mapping", "context_lens", "cu_seqlens_q"):   # no step in them: the
+            b[name].fill_(-1 if name == "slot_mapping" else 0)   # captures write and read nothing
         for is_decode, n in keys:
             s = n if is_decode else min(n, S)        # sequences: one per token, at most S
             meta = AttentionMetadata(b["slot_mapping"][:n], b["block_tables"][:s],
@@ -1183,9 +1162,8 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
         self.num_generated_tokens = 0                      # for /metrics
-        # Matchers are built on a thread of their own, never on the step loop
-        # (llguidance drops the GIL while it builds one): once per distinct
-        # grammar (the 64 latest are kept), and each request gets a copy.
+        # Matchers are built on a thread of their own, never on the step loop:
+        # once per distinct grammar (the 64 latest kept); each request a copy.
         self.compiler = ThreadPoolExecutor(max_workers=1)
         self.built_matchers = functools.lru_cache(maxsize=64)(
             lambda grammar: llguidance.LLMatcher(self.llg_tokenizer, grammar))
@@ -1288,10 +1266,9 @@ class EngineCore:
 
     def _finish_reason(self, seq: Sequence, token: int) -> Optional[str]:
         p = seq.params
-        if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
+                or seq.matcher is not None and seq.matcher.result().is_stopped():  # JSON complete
             return "stop"
-        if seq.matcher is not None and seq.matcher.result().is_stopped():
-            return "stop"                      # the grammar's value is complete
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
         return None
@@ -1307,13 +1284,16 @@ class EngineCore:
                                  error=f"the engine failed: {error!r}") for s in failed]
 
     def stats(self) -> dict:
+        """The engine's gauges, and counters (the _total ones), by their /metrics names."""
         a, s = self.allocator, self.scheduler
-        return dict(num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
-                    num_cached_blocks=len(a.evictable), num_running=len(s.running),
-                    num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
-                    num_generated_tokens=self.num_generated_tokens,
-                    num_cached_tokens=s.num_cached_tokens, num_prompt_tokens=s.num_prompt_tokens,
-                    prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens))
+        return dict(requests_running=len(s.running), requests_waiting=len(s.waiting),
+                    kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,
+                    kv_blocks_cached=len(a.evictable),        # free, but their prefix kept
+                    generated_tokens_total=self.num_generated_tokens,
+                    prompt_tokens_total=s.num_prompt_tokens,  # admitted; of those, cached:
+                    prefix_cache_hit_tokens_total=s.num_cached_tokens,
+                    prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
+                    preemptions_total=s.num_preemptions)
 
 
 # ---------------------------------------------------------------------------
@@ -1414,9 +1394,8 @@ class FrontEnd:
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
     def _compile_grammar(self, schema: str) -> str:
-        """llguidance's grammar for a JSON schema (a JSON string), checked: a
-        ValueError says why it cannot be compiled. Cached (grammar): one compile
-        per distinct schema. The JSON is compact, no whitespace between tokens."""
+        """llguidance's grammar for a JSON schema (as JSON), checked: a ValueError says why not.
+        Cached as `grammar`: one compile per distinct schema. The JSON is compact (no spaces)."""
         if self.tokenizer is None:
             raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
@@ -1527,9 +1506,8 @@ class FrontEnd:
         return False
 
 class LLM:
-    """Offline generation in vLLM's shape:
-    LLM(model_dir).generate(prompts, SamplingParams(...)) -> [RequestState].
-    The engine core runs in this process: offline, nothing competes with it."""
+    """Offline generation in vLLM's shape: LLM(model_dir).generate(prompts, SamplingParams(...))
+    -> [RequestState]. The engine core runs in this process: offline, nothing competes with it."""
 
     def __init__(self, model=DEFAULT_MODEL, **settings):   # a folder, or a whole Config
         cfg = model if isinstance(model, Config) else Config(model=model, **settings)
@@ -1562,13 +1540,12 @@ class LLM:
         for ids, p in zip(prompt_ids, params):   # check all before queueing any
             self.front.validate(ids, p)
         states = [self.add(ids, p) for ids, p in zip(prompt_ids, params)]
-        num_done, start = 0, time.perf_counter()
+        start = time.perf_counter()
         for _ in self.run():
-            done = sum(s.finish_reason is not None for s in states) if len(states) > 1 else 0
-            if done != num_done:
-                num_done = done
-                _progress(f"generate: {done}/{len(states)} done, "
-                          f"{self.engine.num_generated_tokens / (time.perf_counter() - start):.0f} tok/s")
+            rate = self.engine.num_generated_tokens / (time.perf_counter() - start)
+            if len(states) > 1:            # on a terminal only: one line, rewritten
+                _progress(f"generate: {sum(s.finish_reason is not None for s in states)}/"
+                          f"{len(states)} done, {rate:.0f} tok/s")
         return states
 
     def stats(self) -> dict:
@@ -1593,9 +1570,8 @@ class EngineCoreAbort:
     request_ids: list
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
-    """The engine core process, whose main thread runs this loop: it owns the
-    scheduler, the block allocator, the model runner and the device, and
-    steps whenever work is queued.
+    """The engine core process, whose main thread runs this loop: it owns the scheduler, the
+    block allocator, the model runner and the device, and steps whenever work is queued.
     `setup(core)`, if given, runs once before the loop (tests inject faults)."""
     for sig in (signal.SIGINT, signal.SIGTERM):   # the server's to handle: it stops us,
         signal.signal(sig, signal.SIG_IGN)         # and if it dies, the pipe tells us
@@ -1608,10 +1584,8 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         outbox.send(f"the engine core failed to start: {e}")
         return
     outbox.send(EngineCoreOutputs([], core.stats()))         # ready
-    # The outputs go out through one worker thread, in order, so that the step
-    # loop never waits on the server. (Were the loop to send itself, it would
-    # stall whenever the server is busy, and with both pipes full the two
-    # processes would wait on each other.)
+    # The outputs go out through one worker thread, in order: the step loop never waits on the
+    # server (with both pipes full, the two processes would wait on each other).
     sender = ThreadPoolExecutor(max_workers=1)
     while True:
         try:   # block only when idle; while sequences run, take what has arrived
@@ -1640,17 +1614,15 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
                 outputs += core.fail_running(e)
         sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
 
-
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 
 class EngineCoreClient:
-    """The server's side of the engine core: it starts the process, sends it
-    requests and aborts from the event loop, and receives its outputs on a
-    thread that passes them to the event loop. There each step's outputs go
-    through the FrontEnd, and every request that changed is put on its
-    queue: if the loop falls behind, several steps' tokens arrive at once.
-    It knows no HTTP: a failed request ends with finish_reason "error", and
-    `error` says why the engine core is gone, if it is."""
+    """The server's side of the engine core: it starts the process, sends it requests and
+    aborts from the event loop, and receives its outputs on a thread that passes them to the
+    event loop. There each step's outputs go through the FrontEnd, and every request that
+    changed is put on its queue: if the loop falls behind, several steps' tokens arrive at
+    once. It knows no HTTP: a failed request ends with finish_reason "error", and `error` says
+    why the engine core is gone, if it is."""
 
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
@@ -1667,13 +1639,12 @@ class EngineCoreClient:
         if isinstance(ready, str):
             raise ValueError(ready)
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
-        self.front = FrontEnd(cfg, self.stats["num_blocks"])  # the pool's size bounds a request
+        self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
         self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
         # Sends go through one worker thread, in order, so that the event loop
         # never blocks on a full pipe while the engine core is in a step.
         self.sender = ThreadPoolExecutor(max_workers=1)
-        # /metrics: the latency histograms are observed here, on the event
-        # loop; the engine core's counters are read at each scrape (collect).
+        # /metrics: latency histograms observed here; the engine core's counters (collect)
         self.metrics = prometheus_client.CollectorRegistry()
         self.metrics.register(self)
         self.ttft = prometheus_client.Histogram(
@@ -1683,13 +1654,6 @@ class EngineCoreClient:
             "nanoserve_inter_token_latency_seconds", "gap between tokens, 0 within a chunk",
             buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10], registry=self.metrics)
 
-    def attach(self, loop: asyncio.AbstractEventLoop):
-        """Start handing outputs to `loop`. A thread of ours waits on the pipe:
-        a reader on the loop itself would need the pipe non-blocking (uvloop
-        makes it so), and then a large message arrives in pieces."""
-        self.loop = loop
-        threading.Thread(target=self._receive, name="engine-core-outputs", daemon=True).start()
-
     def shutdown(self):
         self.sender.submit(self.inbox.close)   # after the sends queued before: EOF over there
         self.sender.shutdown()
@@ -1698,11 +1662,10 @@ class EngineCoreClient:
             self.process.kill()
 
     async def generate(self, requests: list):
-        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each;
-        yield a choice's RequestState whenever it changes, until each has a
-        finish_reason. However the caller stops (done, client gone, error),
-        the `finally` aborts what still runs, so its KV blocks are freed at
-        the next step, not after max_tokens."""
+        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
+        RequestState whenever it changes, until each has a finish_reason. However the caller
+        stops (done, client gone, error), the `finally` aborts what still runs, so its KV
+        blocks are freed at the next step, not after max_tokens."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
@@ -1710,7 +1673,7 @@ class EngineCoreClient:
         try:
             if self.error:                          # died since the handler checked
                 self._fail_all()
-            self.sender.submit(self.inbox.send, requests)   # a dead process: _receive says so
+            self.sender.submit(self.inbox.send, requests)   # a dead process: receive says so
             while unfinished:
                 state = await changed.get()
                 if state.request_id in unfinished:  # else a late repeat of a finished one
@@ -1726,9 +1689,11 @@ class EngineCoreClient:
         if request_ids and not self.error:
             self.sender.submit(self.inbox.send, EngineCoreAbort(request_ids))
 
-    def _receive(self):
-        """The receiving thread: it blocks on the pipe (without the GIL) and
-        hands the event loop every message that has arrived, in one call."""
+    def receive(self, loop: asyncio.AbstractEventLoop):
+        """The receiving thread, started with the server's event loop: it blocks on the pipe
+        without the GIL and hands `loop` every message that has arrived, in one call (a reader
+        on the loop would need the pipe non-blocking, as uvloop makes it: messages in pieces)."""
+        self.loop = loop
         with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
             try:
                 while True:
@@ -1769,19 +1734,9 @@ class EngineCoreClient:
     def collect(self):
         """The engine core's gauges and counters for /metrics, from the stats
         of its latest step (prometheus_client calls this at each scrape)."""
-        s, gauge, counter = self.stats, GaugeMetricFamily, CounterMetricFamily
-        for family, name, value, help in [
-                (gauge, "requests_running", s["num_running"], "sequences being run"),
-                (gauge, "requests_waiting", s["num_waiting"], "sequences waiting for a seat"),
-                (gauge, "kv_blocks_used", s["num_blocks"] - s["num_free_blocks"], "KV blocks held"),
-                (gauge, "kv_blocks_total", s["num_blocks"], "KV blocks in the pool"),
-                (gauge, "kv_blocks_cached", s["num_cached_blocks"], "free, prefix kept"),
-                (counter, "generated_tokens", s["num_generated_tokens"], "tokens sampled"),
-                (counter, "prompt_tokens", s["num_prompt_tokens"], "prompt tokens admitted"),
-                (counter, "prefix_cache_hit_tokens", s["num_cached_tokens"], "of those, cached"),
-                (gauge, "prefix_cache_hit_rate", s["prefix_cache_hit_rate"], "their share"),
-                (counter, "preemptions", s["num_preemptions"], "sequences preempted")]:
-            yield family(f"nanoserve_{name}", help, value=value)   # counters get "_total"
+        for name, value in self.stats.items():     # prometheus_client adds "_total" back
+            family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+            yield family(f"nanoserve_{name.removesuffix('_total')}", name, value=value)
 
     def _engine_died(self):
         """Every request in flight ends with an error; /health turns 503."""
@@ -1843,9 +1798,8 @@ def _prompt(v, f) -> list:
     return [v] if one(v) else v
 
 def _messages(v, f) -> list:
-    """Chat messages for the template. Content may be a string, a list of
-    parts, whose text parts are joined (other parts are refused), or null in
-    an assistant turn."""
+    """Chat messages for the template. Content may be a string, a list of parts, whose text
+    parts are joined (other parts are refused), or null in an assistant turn."""
     if not (v and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in v)):
         raise ValueError("must be a non-empty list of objects with a string 'role'")
     parsed = []
@@ -1863,50 +1817,43 @@ def _messages(v, f) -> list:
         parsed.append({**m, "content": content or ""})
     return parsed
 
-def _refused(why: str, asks_nothing_new):
-    """The rule of a field the API defines but nanoserve does not implement:
-    a 400 unless the value asks for nothing new, so that a client asking for
-    it fails loudly instead of getting something else."""
+def _rule(ok, why: str):
+    """A rule that checks: a 400 saying why unless ok(value, fields). A field the API defines
+    but nanoserve does not implement is refused unless it asks for nothing new: a client
+    fails loudly, and never gets something else than it asked for."""
     def rule(v, f):
-        if v is not None and not asks_nothing_new(v, f):
+        if not ok(v, f):
             raise ValueError(why)
         return v
     return rule
 
+_REQUIRED = _rule(lambda v, f: v is not None, "is required")
+
 def _response_format(v, f) -> Optional[dict]:
     """The JSON schema that response_format asks the output to match, if any."""
     kind = (v or {}).get("type", "text")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-    if kind == "json_schema" and "json_schema" not in v:
-        raise ValueError("of type 'json_schema' needs a 'json_schema' object")
-    any_object = {"type": "object"}
-    return None if kind == "text" else v.get("json_schema", {}).get("schema", any_object)
-
-def _tools(v, f) -> Optional[list]:
-    if any(t.get("type") != "function" or not t.get("function", {}).get("name") for t in v or []):
-        raise ValueError("must each be of type 'function' with a 'function.name'")
-    return v
+    if kind not in ("text", "json_object", "json_schema") or kind == "json_schema" \
+            and "json_schema" not in v:
+        raise ValueError("must be of type 'text', 'json_object' or 'json_schema' (and then have "
+                         "'json_schema')")
+    return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
 
 def _tool_choice(v, f) -> Optional[str]:
     """None (no call is forced), "required" (a call of any tool) or the name
-    of the one tool to call. "auto" needs a parser, for each model family, of
-    calls in free text: left out."""
+    of the one tool to call. "auto", the default with tools, needs a parser
+    of each model family's calls in free text: left out."""
     names = [t["function"]["name"] for t in f.get("tools") or []]
     if isinstance(v, dict):
-        v = parse_fields(v, {"type": str, "function": {"name": str}}, "tool_choice.")
-        if v.get("function", {}).get("name") not in names:
-            raise ValueError(f"names a function that is not in 'tools' ({', '.join(names)})")
-        return v["function"]["name"]
-    v = v or ("auto" if names else "none")
-    if v not in ("none", "auto", "required"):
-        raise ValueError("must be 'none', 'auto', 'required' or a {'type': 'function', ...} object")
-    if v == "auto" and names:
-        raise ValueError("'auto' is not supported (it needs a parser of each model's tool-call "
-                         "format): force a call with 'required' or a named function")
-    if v == "required" and not names:
-        raise ValueError("'required' needs 'tools'")
-    return None if v == "none" else v
+        v = parse_fields(v, _FUNCTION_CHOICE, "tool_choice.")["function"]["name"]
+        if v not in names:
+            raise ValueError(f"names no function of 'tools' ({', '.join(names)})")
+        return v
+    if v not in (None, "none", "auto", "required") or v == "required" and not names:
+        raise ValueError("must be 'none', 'auto', or with 'tools' 'required' or a named function")
+    if names and v in (None, "auto"):
+        raise ValueError("'auto' (the default with 'tools') is not supported: it needs a parser of "
+                         "each model's tool-call format; force a call ('required' or a function)")
+    return v if v == "required" else None
 
 def _tool_call_schema(tools: list, choice: str) -> dict:
     """The JSON a forced call is generated as: the named function's arguments,
@@ -1915,9 +1862,9 @@ def _tool_call_schema(tools: list, choice: str) -> dict:
                   for t in tools}
     if choice != "required":
         return parameters[choice]
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                       "required": ["name", "arguments"], "additionalProperties": False}
-                      for name, schema in parameters.items()]}
+    return {"anyOf": [{"type": "object", "required": ["name", "arguments"],
+                       "properties": {"name": {"const": name}, "arguments": schema},
+                       "additionalProperties": False} for name, schema in parameters.items()]}
 
 _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an object, [..]: an array
     model=str, max_tokens=int, n=(int, _n), seed=int, stop=(object, _stop), temperature=float,
@@ -1930,14 +1877,15 @@ _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an obje
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
 COMPLETION_FIELDS = dict(
     _COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
-    best_of=(int, _refused("'best_of' other than 'n' is not supported", lambda v, f: v == f["n"])),
-    suffix=(str, _refused("'suffix' (insertion) is not supported", lambda v, f: not v)))
+    best_of=(int, _rule(lambda v, f: v in (None, f["n"]), "other than 'n' is not supported")),
+    suffix=(str, _rule(lambda v, f: not v, "(insertion) is not supported")))
 CHAT_FIELDS = dict(
     _COMMON_FIELDS, messages=(list, _messages), logprobs=bool, top_logprobs=int,
     max_completion_tokens=int, parallel_tool_calls=bool,
-    tools=([{"type": str, "function": {"name": str, "description": str, "parameters": dict,
-                                       "strict": bool}}], _tools),
+    tools=[{"type": str, "function": ({"name": (str, _REQUIRED), "description": str,
+                                       "parameters": dict, "strict": bool}, _REQUIRED)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
+_FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
                dict: "an object", list: "an array"}
 # the API's sampling fields that carry SamplingParams' own names and defaults
@@ -1945,11 +1893,10 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "ignore_eos", "logit_bias",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def parse_fields(body: dict, spec: dict, path: str = "") -> dict:
-    """The body's fields, checked against spec; a JSON null counts as absent.
-    A field the endpoint does not know is refused, never ignored: it may be
-    one that would have changed the output. An object nested in a field is
-    checked the same way against its own spec, and a 400 names the path to
-    the field (stream_options.include_usage, tools[0].function.name)."""
+    """The body's fields, checked against spec; a JSON null counts as absent. A field the
+    endpoint does not know is refused, never ignored: it may be one that would have changed the
+    output. An object nested in a field is checked the same way against its own spec, and a 400
+    names the path to the field (stream_options.include_usage, tools[0].function.name)."""
     fields = {}
     for name, value in body.items():
         if name not in spec:
@@ -2001,11 +1948,11 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
 # response is those same chunks folded into one body --
 
 class _Shape:
-    """One response being built, whatever its endpoint: ids, envelopes, the
-    chunks, and top log-probs. The engine's log-probs are of the model's own
-    distribution (before temperature and top-p), as OpenAI reports them; JSON
-    has no -inf, so they are clamped."""
+    """One response being built, whatever its endpoint: ids, envelopes, the chunks, and top
+    log-probs. The engine's log-probs are of the model's own distribution (before temperature
+    and top-p), as OpenAI reports them; JSON has no -inf, so they are clamped."""
     id_prefix = object = chunk_object = ""
+    tool_choice = None                # a chat's forced call: None, "required" or a name
 
     def __init__(self, server: "OpenAIServer", num_prompt_tokens: int,
                  num_top_logprobs: Optional[int]):
@@ -2019,8 +1966,9 @@ class _Shape:
 
     def has_news(self, d: Delta) -> bool:
         """Whether d is worth a chunk (a token whose text is held back still
-        carries its log-probs)."""
-        return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
+        carries its log-probs). A forced tool call is sent whole, at the end."""
+        news = bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
+        return news and not self.tool_choice
 
     def token_logprobs(self, token_ids: list, logprobs: list):
         """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
@@ -2058,9 +2006,8 @@ class _Shape:
         return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
 
     async def stream(self, chunks, include_usage: bool):
-        """Server-sent events, OpenAI's stream framing: `data: {json}` per chunk,
-        then `data: [DONE]`. An error after the first byte is an event too: the
-        status line is gone."""
+        """Server-sent events, OpenAI's stream framing: `data: {json}` per chunk, then `data:
+        [DONE]`. An error after the first byte is an event too: the status line is gone."""
         def sse(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
         async with contextlib.aclosing(chunks):
@@ -2077,11 +2024,10 @@ class _Shape:
         yield "data: [DONE]\n\n"
 
     async def collect(self, chunks, request: Request) -> Optional[dict]:
-        """A non-streamed response: each choice's chunks joined (_fold), and a
-        stream's "delta" is then the whole "message". None if the client hangs
-        up first: uvicorn does not cancel a handler whose client has left, so
-        each chunk asks, and closing `chunks` aborts the request (its KV
-        blocks are freed at the next step, not after max_tokens)."""
+        """A non-streamed response: each choice's chunks joined (_fold), and a stream's "delta"
+        is then the whole "message". None if the client hangs up first: uvicorn does not cancel
+        a handler whose client has left, so each chunk asks, and closing `chunks` aborts the
+        request (its KV blocks are freed at the next step, not after max_tokens)."""
         choices = {}                                       # index -> the whole choice so far
         async with contextlib.aclosing(chunks):
             async for choice in chunks:
@@ -2092,7 +2038,6 @@ class _Shape:
             if "delta" in c:
                 c["message"] = c.pop("delta")
         return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
-
 
 def _fold(whole: dict, chunk: dict):
     """Join a chunk into the whole, key by key: strings and lists are
@@ -2105,7 +2050,6 @@ def _fold(whole: dict, chunk: dict):
             whole[key] = old + value
         elif value is not None or key not in whole:
             whole[key] = value
-
 
 class _CompletionShape(_Shape):
     """The legacy completions shape. `echo` puts each prompt in front of its
@@ -2143,7 +2087,6 @@ class _CompletionShape(_Shape):
                 out[key].append(value)
         return out
 
-
 class _ChatShape(_Shape):
     """The chat shape. A stream opens each choice with the assistant's role,
     sends content deltas, then an empty delta that carries the finish_reason.
@@ -2155,28 +2098,24 @@ class _ChatShape(_Shape):
         self.tool_choice = tool_choice    # None, "required" or a name (_tool_choice)
 
     def opening(self, i: int) -> list:
-        return [{"index": i, "delta": {"role": "assistant", "content": None if self.tool_choice else ""},
+        content = None if self.tool_choice else ""          # a tool call has no content
+        return [{"index": i, "delta": {"role": "assistant", "content": content},
                  "logprobs": None, "finish_reason": None}]
-
-    def has_news(self, d: Delta) -> bool:
-        return not self.tool_choice and super().has_news(d)
 
     def last(self, state: RequestState, d: Delta) -> dict:
         """With a forced call, the call: its arguments are the generated JSON
-        (with "required": its "arguments", under its "name"). Cut short by
-        max_tokens, the JSON is incomplete: then the text is the content."""
+        (with "required": its "arguments", under its "name")."""
         if not self.tool_choice:
             return super().last(state, d)
         try:
             value = json.loads(state.text)
-        except ValueError:
-            return {"index": d.index, "delta": {"content": state.text}, "logprobs": None,
-                    "finish_reason": d.finish_reason}
+        except ValueError:                     # cut short by max_tokens: the text, as it is
+            return {**super().last(state, d), "delta": {"content": state.text}}
         name, arguments = (value["name"], value["arguments"]) if self.tool_choice == "required" \
             else (self.tool_choice, value)
         call = {"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-        return {"index": d.index, "delta": {"tool_calls": [call]}, "logprobs": None,
+        return {**super().last(state, d), "delta": {"tool_calls": [call]},
                 "finish_reason": "tool_calls"}
 
     def choice(self, d: Delta) -> dict:
@@ -2191,12 +2130,10 @@ class _ChatShape(_Shape):
         return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
                             for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
 
-
 class _EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its generator. Starlette cancels
-    the response when the client disconnects; if that lands between two chunks
-    the generator would wait for the garbage collector, and only closing it
-    runs its `finally` (which aborts the request) now."""
+    """A StreamingResponse that always closes its generator. Starlette cancels the response when
+    the client disconnects; if that lands between two chunks the generator would wait for the
+    garbage collector, and only closing it runs its `finally` (which aborts the request) now."""
     media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send):
@@ -2265,9 +2202,9 @@ class OpenAIServer:
         prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
         # max_tokens 0 (with echo: the prompt's log-probs only) still samples
         # one token, which the engine core drops
+        grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
-                                       num_top if echo and num_top is not None else None,
-                                       await self._grammar(f.get("response_format"), "response_format"))
+                                       num_top if echo and num_top is not None else None, grammar)
         prompt_ids = [await self._encode(p) for p in prompts]
         shape = _CompletionShape(self, prompts, prompt_ids, num_top, echo, len(params))
         return await self._respond(request, f, shape, prompt_ids, params)
@@ -2282,11 +2219,9 @@ class OpenAIServer:
         prompt_ids = await self._encode(text, add_special_tokens=False)
         room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
         num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
-        tool = f.get("tool_choice")           # None, "required" or a name (_tool_choice)
-        if tool:                              # a forced call wins over response_format
-            grammar = await self._grammar(_tool_call_schema(f["tools"], tool), "tools")
-        else:
-            grammar = await self._grammar(f.get("response_format"), "response_format")
+        tool = f.get("tool_choice")     # None, "required" or a name; a forced call wins
+        grammar = await (self._grammar(_tool_call_schema(f["tools"], tool), "tools") if tool
+                         else self._grammar(f.get("response_format"), "response_format"))
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
         shape = _ChatShape(self, len(prompt_ids), num_top, tool)
@@ -2348,9 +2283,8 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Lazy: these are async generators, so nothing reaches the engine core
-        # until the body is iterated: by Starlette as it streams the response,
-        # or by collect just below.
+        # Lazy: nothing reaches the engine core until the body is iterated, by
+        # Starlette as it streams the response or by collect below.
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
@@ -2359,12 +2293,10 @@ class OpenAIServer:
         body = await shape.collect(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
-
 async def _error_response(request: Request, e: Exception) -> Response:
-    """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong
-    method) and crashes, whose traceback Starlette logs while the client
-    gets one line. After a 413 or a 5xx the connection is closed, and says so,
-    so that a pooled client opens a fresh one."""
+    """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and
+    crashes, whose traceback Starlette logs while the client gets one line. After a 413 or a
+    5xx the connection is closed, and says so, so that a pooled client opens a fresh one."""
     if isinstance(e, HTTPException):
         e = APIError(e.status_code, e.detail)
     elif not isinstance(e, APIError):
@@ -2378,15 +2310,15 @@ def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        client.attach(asyncio.get_running_loop())   # outputs are read on this loop
+        threading.Thread(target=client.receive, args=(asyncio.get_running_loop(),),
+                         name="engine-core-outputs", daemon=True).start()
         yield
 
     return Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={
         kind: _error_response for kind in (APIError, HTTPException, Exception)})
 
 def serve(cfg: Config):
-    # Bind first: a port in use is one clear error, before the model loads.
-    sock = socket.create_server((cfg.host, cfg.port))      # a port in use fails here, at once
+    sock = socket.create_server((cfg.host, cfg.port))   # first: a port in use fails at once
     client = EngineCoreClient(cfg)
     print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
           + (" (API key required)" if cfg.api_key else ""), flush=True)
@@ -2412,9 +2344,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
             continue
         name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         if f.type == "bool":            # a flag that is on by default turns it off
-            action, help = ("store_false", "do not " + f.metadata["help"]) if f.default \
-                else ("store_true", f.metadata["help"])
-            parser.add_argument(name, dest=f.name, action=action, help=help)
+            action = "store_false" if f.default else "store_true"
+            parser.add_argument(name, dest=f.name, action=action,
+                                help=("do not " if f.default else "") + f.metadata["help"])
         elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
             parser.add_argument(name, dest=f.name, action="append", help=f.metadata["help"])
         else:
