@@ -9,8 +9,9 @@ the same inputs.
                 tok/s as the batch grows; nanoserve against transformers; on
                 a CPU also the two first-impression workloads (one sequence, a
                 long prompt) with both systems side by side and their ratio
-    serve       the HTTP server under Poisson arrivals and a closed loop:
-                TTFT and inter-token latency percentiles
+    serve       the HTTP server under Poisson arrivals and a closed loop,
+                with CUDA graphs and with --enforce-eager: TTFT, TPOT and
+                inter-token percentiles, and their distributions as a plot
     kernel      the paged-attention decode kernel against its torch reference
                 and SDPA on contiguous K/V, over batch x context
     prefix      shared-prefix requests with prefix caching on and off
@@ -31,7 +32,7 @@ exactly the tokens it asked for).
 GPU (H100/H200; the model defaults to --random llama-3.2-1b there):
     python bench.py throughput --hf-num-seqs 64 --json bench_out/throughput.json
     python bench.py latency --json bench_out/latency.json
-    python bench.py serve --json bench_out/serve.json      # rates 1,4,16,64,inf + 64 clients
+    python bench.py serve --json bench_out/serve.json      # 400 requests at 32/s and at once
     python bench.py kernel --json bench_out/kernel.json
     python bench.py prefix --json bench_out/prefix.json
   (throughput without --hf-num-seqs runs transformers on all 256 requests:
