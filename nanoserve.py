@@ -96,7 +96,7 @@ class Config:
     max_model_len: int = _flag(0, "longest prompt + completion (0: the model's limit)")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompts seen before",
                                         "--no-prefix-caching")
-    enforce_eager: bool = _flag(False, "no CUDA graphs (they are only used on cuda)")
+    enforce_eager: bool = _flag(False, "no CUDA graphs (used on cuda with --attention triton)")
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
@@ -246,6 +246,8 @@ def load_weights(model: nn.Module, cfg: Config):
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention
 # over the paged cache, and the SwiGLU MLP. Every layer works on a flat batch
 # of tokens (N_tok, D): sequence boundaries live only in AttentionMetadata.
+# Each kernel (pa.*) is called by what it computes; paged_attention.py picks
+# the implementation (Triton on the GPU, torch on the CPU) in one place.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -253,14 +255,10 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))  # weight: (D,)
 
     def forward(self, x):                                      # (N_tok, D)
-        # Normalize in fp32 and cast back before the weight, as transformers
-        # does, so bf16 results round the same way. On the GPU one Triton
-        # kernel (pa.rms_norm) does this: as torch ops, six launches and passes.
-        if x.is_cuda:
-            return pa.rms_norm(x, self.weight, self.eps)
-        h = x.float()                           # fp32: squares of bf16 activations would lose bits
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # (N_tok, D) / rms over D
-        return self.weight * h.to(x.dtype)
+        """weight * x / sqrt(mean(x^2) + eps), normalized in fp32 (squares of bf16
+        activations would lose bits) and cast back before the weight, as transformers
+        does, so bf16 results round the same way (pa.rms_norm_ref)."""
+        return pa.norm(x, self.weight, self.eps)
 
 def rope_inv_freq(cfg: Config) -> torch.Tensor:
     """Rotation frequency of each channel pair, with llama3 scaling if configured."""
@@ -284,7 +282,8 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos and sin of every position times every channel pair's frequency,
     precomputed. The rotation itself (pa.rope_ref) is done by the attention's
-    rope_store, which on the GPU also writes k and v to the KV pool."""
+    rope_store, which also writes k and v to the KV pool (on the GPU in one
+    Triton kernel, pa.rope_store_kvcache)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -296,6 +295,7 @@ class RotaryEmbedding(nn.Module):
 @dataclass
 class AttentionMetadata:
     """Where each sequence of a step lives in the flat batch and in the KV pool.
+    ModelRunner.prepare fills it for each step (the Model runner section).
 
     block_table: the pool blocks that hold one sequence's KV, in order.
     slot_mapping: for each new token, the pool slot its K/V is written to
@@ -306,25 +306,6 @@ class AttentionMetadata:
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
     cu_seqlens_q: torch.Tensor        # (B+1,) int32, start of each sequence in N_tok
     is_decode: bool                   # every sequence brings exactly one new token
-
-def linear(x, weight, fused: bool, norm: Optional[RMSNorm] = None, silu_mul: bool = False,
-           residual=None):                                     # (N_tok, K) -> (N_tok, N)
-    """residual + f(x) @ weight.T, f being the RMSNorm `norm`, SiLU-and-mul or nothing.
-
-    Prologue/epilogue fusion: at batch-1 decode (pa.GEMV_MAX_ROWS) a matmul is
-    one read of the weight, and a norm, activation or add of its own costs a
-    launch and a wait (~1.5 us) for almost no bytes. The Triton GEMV applies f
-    to x as it streams in and adds the residual on the way out: five launches
-    fewer per layer (two norms, SiLU-and-mul, two adds), 7 where there were
-    12. Larger batches take cuBLAS and separate steps."""
-    if fused and x.is_cuda and x.shape[0] <= pa.GEMV_MAX_ROWS:
-        norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        return pa.gemv(x, weight, norm_weight, eps, silu_mul, residual)
-    if silu_mul:                      # SwiGLU's activation; one launch on the GPU (pa.silu_and_mul)
-        gate, up = x.chunk(2, dim=-1)                          # (N_tok, I) each
-        x = pa.silu_and_mul(x) if x.is_cuda else F.silu(gate) * up
-    y = F.linear(x if norm is None else norm(x), weight)   # (N_tok, N)
-    return y if residual is None else residual + y
 
 class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv K/V heads."""
@@ -339,22 +320,21 @@ class Attention(nn.Module):
         self.scale = self.hd ** -0.5                       # softmax(q k^T / sqrt(hd))
         # triton, sdpa (the CPU path) or the torch references (pa.ATTENTION)
         self.rope_store, self.attend = pa.ATTENTION[cfg.attention]
-        self.fused = cfg.attention == "triton"   # the Triton GEMV too
         # This layer's slice of the KV pool, set by ModelRunner.allocate_kv_cache.
         self.k_cache = self.v_cache = None    # (num_blocks, block_size, n_kv, hd)
 
     def forward(self, x, positions, rope, meta: AttentionMetadata, norm=None, residual=None):
         """residual + attention(norm(x)), norm and residual optional."""
         n = x.shape[0]
-        qkv = linear(x, self.qkv_proj.weight, self.fused, norm=norm)
+        qkv = pa.linear(x, self.qkv_proj.weight, norm=norm)       # (N_tok, (n_heads + 2 n_kv) hd)
         q, k, v = (t.view(n, -1, self.hd) for t in qkv.split(self.split_sizes, dim=-1))
         # Rotate q and k by their positions, and write this step's K/V into the
         # pool first: attention then reads every key, old and new, from one place.
         self.rope_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, positions,
                         rope.cos, rope.sin)
         o = self.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # (N_tok, n_heads, hd)
-        return linear(o.reshape(n, self.n_heads * self.hd), self.o_proj.weight, self.fused,
-                      residual=residual)                       # (N_tok, D)
+        return pa.linear(o.reshape(n, self.n_heads * self.hd), self.o_proj.weight,
+                         residual=residual)                    # (N_tok, D)
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
@@ -363,12 +343,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.fused = cfg.attention == "triton"
 
     def forward(self, x, norm=None, residual=None):           # (N_tok, D)
         """residual + mlp(norm(x)), norm and residual optional."""
-        gate_up = linear(x, self.gate_up_proj.weight, self.fused, norm=norm)
-        return linear(gate_up, self.down_proj.weight, self.fused, silu_mul=True, residual=residual)
+        gate_up = pa.linear(x, self.gate_up_proj.weight, norm=norm)   # (N_tok, 2 I)
+        return pa.linear(gate_up, self.down_proj.weight, silu_mul=True, residual=residual)
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config):
@@ -379,10 +358,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rope, meta):               # (N_tok, D)
-        # x + sublayer(norm(x)), with norm and add handed to the sublayer so
-        # that at decode batch sizes its matmuls fuse them (see `linear`).
-        x = self.attn(x, positions, rope, meta, norm=self.input_layernorm, residual=x)
-        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
+        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)).
+        Each sublayer takes its norm and its residual as arguments, so that its first
+        matmul applies the norm and its last adds the residual (pa.linear: at batch 1,
+        inside the one GEMV that reads the weight)."""
+        h = self.attn(x, positions, rope, meta, norm=self.input_layernorm, residual=x)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 # ---------------------------------------------------------------------------
@@ -411,7 +392,7 @@ class Model(nn.Module):
 
     def compute_logits(self, hidden):                          # (B, D)
         w = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, w, self.cfg.attention == "triton", norm=self.norm)  # (B, V)
+        return pa.linear(hidden, w, norm=self.norm)            # (B, V)
 
 def build_model(cfg: Config) -> Model:
     """Allocate the model on its device without a throwaway random init, then load."""
@@ -425,9 +406,11 @@ def build_model(cfg: Config) -> Model:
 
 # ---------------------------------------------------------------------------
 # Sampler
-# Greedy, temperature, top-k and top-p for the whole batch in one pass. Each
-# row carries its own settings, so one request's choices never change
-# another's; a seeded row draws its noise from its own generator.
+# One pass over the whole batch's logits, in this order: logit_bias and the
+# penalties, the grammar masks, then greedy or temperature, top-k and top-p
+# sampling, and the log-probs if asked. Each row carries its own settings, so
+# one request's choices never change another's; a seeded row draws its noise
+# from its own generator. No step waits for the host (no sync).
 
 @dataclass
 class SamplingParams:
@@ -492,7 +475,10 @@ class SamplingBatch:
     allowed: Optional[tuple] = None   # see apply_token_mask; None: no row has a grammar
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
-    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token)."""
+    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token).
+    edits = ((rows, ids), (bias, repetition, penalty)): entry i edits logits[rows[i], ids[i]]
+    by adding bias[i], dividing the result by repetition[i] if positive (multiplying it if
+    negative), then subtracting penalty[i]. ModelRunner.logit_edits builds them on the host."""
     (rows, ids), (bias, repetition, penalty) = edits   # (2, N) int64, (3, N) fp32
     x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
     x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
@@ -547,8 +533,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         if batch.needs_top_k_top_p:
             scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
         probs = scaled.softmax(dim=-1)                     # (B, V)
-        # Exponential race ("sample without a CUDA sync"): argmax(p / E) with
-        # E ~ Exp(1) is a draw from p, and unlike torch.multinomial it needs
+        # Exponential race ("sample without a CUDA sync"): draw E_i ~ Exp(1) per
+        # token; token i wins when E_i / p_i is the smallest, which happens with
+        # probability exactly p_i (the minimum of exponentials with rates p_i).
+        # So argmax(p / E) is a draw from p, and unlike torch.multinomial it needs
         # no host round trip and takes a per-row generator.
         noise = torch.empty_like(probs).exponential_()
         for row, gen in batch.generators:
@@ -639,28 +627,18 @@ class Sequence:
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
         self.num_prompt_tokens = len(prompt_token_ids)     # fixed: output starts after these
-        self.num_computed_tokens = 0     # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0     # tokens launched: their K/V are in the cache or on the way
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        # -- the pending token, the whole of its life (async scheduling) --
-        # Step N+1 is launched before step N's tokens are read back, so a token
-        # sampled for this sequence may exist only in device memory.
-        #   counted:   EngineCore._launch adds 1 for each sequence that samples
-        #              in the step it launches (sampled by ModelRunner.sample);
-        #   used:      Scheduler.schedule counts it as a token to compute (the
-        #              input of the next step), and _ends_when_read skips a
-        #              sequence whose pending token is its last;
-        #   stood in:  ModelRunner.prepare puts a placeholder 0 in its input row,
-        #   filled in: then copies it there from the previous step's samples,
-        #              on the device;
-        #   resolved:  EngineCore._commit appends it to token_ids (or drops it if
-        #              the sequence ended meanwhile) and takes the 1 off.
-        # When schedule runs it is 0 or 1: 0 after a non-final prefill chunk (which samples
-        # nothing) and for a waiting sequence; it is 2 only between a _launch and the _commit of
-        # the step before. So num_computed_tokens runs ahead of len(token_ids) by this count.
-        self.num_pending_tokens = 0
+        # The pending token (async scheduling): a token sampled for this sequence that
+        # is still only in device memory, because the next step is launched before
+        # this one's tokens are read back. Schedule counts it as the next input to
+        # compute; when schedule runs there is 0 or 1 of them, and with 1,
+        # num_computed_tokens == len(token_ids). Its whole life, step by step, is
+        # told once, with a timeline, above EngineCore.step.
+        self.num_pending_tokens = 0      # sampled, not yet in token_ids (EngineCore.step)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
         self.matcher = None              # with params.grammar: a Future of its matcher (EngineCore)
@@ -691,7 +669,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != "running" or budget == 0 or self._ends_when_read(seq):
                 continue                       # preempted below, no budget, or done
-            # a pending token is computed like any other (see Sequence)
+            # a pending token is computed like any other (see EngineCore.step)
             n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             if self._reserve_blocks(seq, n):
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
@@ -729,7 +707,11 @@ class Scheduler:
 
     def _reserve_blocks(self, seq: Sequence, n: int) -> bool:
         """Give seq blocks for n more tokens, preempting from the back of the
-        running queue as needed. False if seq itself had to be preempted."""
+        running queue as needed. False if seq itself had to be preempted.
+        A victim is never in the batch being built: schedule walks running from
+        the front and victims come from the back, behind seq (and schedule skips a
+        victim when it reaches it). Admission only reserves blocks it has checked
+        are free, so it never preempts."""
         needed = self._num_blocks_needed(seq, n)           # 0 while the last block has room
         while needed > self.allocator.num_free_blocks:
             victim = self.running[-1]                      # the most recently admitted
@@ -784,7 +766,12 @@ class Scheduler:
             seq.block_hashes.append(prefix_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def cache_computed_blocks(self, seq: Sequence):
-        """After a step, name the blocks that have just become full."""
+        """After a step is read back, name the blocks that have just become full.
+        Such a block may still be being written by the step launched after it
+        (num_computed_tokens counts launched tokens); that is safe, because a step
+        that reads it through a prefix-cache hit is launched later on the same
+        CUDA stream, so it runs after the write. Only tokens already read back are
+        hashed: the pending token is not in token_ids."""
         if not self.cfg.enable_prefix_caching:
             return
         self._hash_full_blocks(seq)
@@ -805,14 +792,15 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On
-# CUDA every step replays a CUDA graph captured for its kind and size: one
-# launch for the two hundred kernels that would keep the device waiting.
+# CUDA with the Triton attention, every step replays a CUDA graph captured for
+# its kind and size: one launch for the two hundred kernels that would keep
+# the device waiting.
 
 @dataclass
 class StepInputs:
     """A scheduled batch flattened into the runner's input buffers (prepare), padded to a graph's
     size if one replays it."""
-    input_ids: torch.Tensor           # (N_tok,) int64; a pending token's row is filled by launch
+    input_ids: torch.Tensor           # (N_tok,) int64, pending tokens filled in on the device
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
     num_tokens: int                   # the real tokens; rows past them are padding
@@ -922,60 +910,85 @@ class ModelRunner:
         view.copy_(host.pin_memory() if self.use_cuda else host, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
-        """Flatten the batch, every sequence's new tokens one after another, into
-        the input buffers; a graph's padding rows write and read nothing."""
-        bs, input_ids, positions, slots = self.cfg.block_size, [], [], []
-        context_lens, cu_seqlens, sample_rows, sample_seqs, pending = [], [0], [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[start:end]
-            if end > seq.num_tokens:     # the pending token is the last input (see Sequence)
-                input_ids.append(0)                # a placeholder, filled in below
-                pending.append((cu_seqlens[-1] + n - 1, seq))
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            context_lens.append(end)
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            if end >= seq.num_tokens:
-                sample_rows.append(cu_seqlens[-1] - 1)
-                sample_seqs.append(i)
-        num_tokens, num_seqs = len(positions), len(batch.seqs)
-        width = max(len(s.block_table) for s in batch.seqs)
-        block_tables = np.zeros((num_seqs, width), dtype=np.int32)
-        for i, seq in enumerate(batch.seqs):
-            block_tables[i, :len(seq.block_table)] = seq.block_table
-        # -- the graph that replays this step, if any, and its padding --
-        N, S = num_tokens, num_seqs                        # rows and sequences the kernels see
+        """The step's inputs in the static buffers, in three parts: flatten the
+        batch, pad it to the size of the graph that replays it, fill in the pending
+        tokens from prev's samples."""
+        flat, sample_rows, sample_seqs, pending = self._flatten(batch)
+        input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = self._graph_key(batch.is_decode, num_tokens)
-        if key is not None:
-            # a graph reads the table's full width; past a row's own blocks the
-            # ids are stale, and never read (the kernels stop at its context_len)
-            N, width = key[1], self.max_blocks_per_seq
-            S = N if batch.is_decode else min(N, self.cfg.max_num_seqs)   # its room
-        slots += [-1] * (N - num_tokens)         # padding rows write no slot, and padding
-        context_lens += [0] * (S - num_seqs)     # sequences have no context and no rows
-        cu_seqlens += [num_tokens] * (S - num_seqs)
+        N, S, width = self._pad(flat, key, len(batch.seqs))   # what the kernels see
+        for name, values in flat.items():
+            self._put(self.buffers[name], values)
+        self._put_input_ids(batch, input_ids, pending, prev)
         b = self.buffers
-        for name, values in [("positions", positions), ("slot_mapping", slots),
-                             ("context_lens", context_lens), ("cu_seqlens_q", cu_seqlens),
-                             ("block_tables", block_tables)]:
-            self._put(b[name], values)
-        # -- input ids: pending tokens come from prev's samples, on the device --
-        if pending and batch.is_decode and batch.seqs == prev.seqs:
-            b["input_ids"][:num_tokens].copy_(prev.tokens)   # a steady decode: same rows
-        else:
-            self._put(b["input_ids"], input_ids)
-            if pending:
-                prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
-                rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
-                b["input_ids"].index_copy_(0, self.to_device(rows, torch.int64),
-                                           prev.tokens[self.to_device(src, torch.int64)])
         meta = AttentionMetadata(b["slot_mapping"][:N], b["block_tables"][:S, :width],
                                  b["context_lens"][:S], b["cu_seqlens_q"][:S + 1],
                                  batch.is_decode)
         return StepInputs(b["input_ids"][:N], b["positions"][:N], meta, num_tokens,
                           sample_rows, sample_seqs, self.graphs.get(key))
+
+    def _flatten(self, batch: ScheduledBatch):
+        """Every sequence's new tokens one after another, as host lists named for
+        their buffers; the rows that sample (each sequence's last token, once no
+        prompt is left); and the rows whose input is a pending token."""
+        bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
+                                             context_lens=[], cu_seqlens_q=[0])
+        sample_rows, sample_seqs, pending = [], [], []     # pending: (row, seq)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            last_row = flat["cu_seqlens_q"][-1] + n - 1
+            flat["input_ids"] += seq.token_ids[start:end]
+            if end > seq.num_tokens:     # the pending token is the last input (EngineCore.step)
+                flat["input_ids"].append(0)        # a placeholder: _put_input_ids fills it
+                pending.append((last_row, seq))
+            table = seq.block_table
+            flat["positions"] += range(start, end)
+            flat["slot_mapping"] += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            flat["context_lens"].append(end)
+            flat["cu_seqlens_q"].append(last_row + 1)
+            if end >= seq.num_tokens:
+                sample_rows.append(last_row)
+                sample_seqs.append(i)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        flat["block_tables"] = np.zeros((len(batch.seqs), width), dtype=np.int32)
+        for i, seq in enumerate(batch.seqs):
+            flat["block_tables"][i, :len(seq.block_table)] = seq.block_table
+        return flat, sample_rows, sample_seqs, pending
+
+    def _pad(self, flat: dict, key: Optional[tuple], num_seqs: int) -> tuple:
+        """Pad the flat batch to its graph's N rows and S sequences, and give the table
+        width the kernels see (no padding without a graph).
+        The padding contract, each padded value and why the kernels ignore it:
+          slot_mapping  -1 for rows past the real tokens: rope_store writes no slot
+          context_lens  0 for sequences past the real ones: attention reads no key
+          cu_seqlens_q  the real token count for them: they own no query rows
+          block_tables  the graph's full width; ids past a row's own blocks are stale
+                        and never read (the kernels stop at its context_len)
+          input_ids, positions   stale in padding rows: computed, never stored, and
+                        their outputs are dropped (hidden[:num_tokens] in launch)"""
+        num_tokens = len(flat["positions"])
+        if key is None:
+            return num_tokens, num_seqs, flat["block_tables"].shape[1]
+        N = key[1]
+        S = N if key[0] else min(N, self.cfg.max_num_seqs)   # decode: one sequence per row
+        flat["slot_mapping"] += [-1] * (N - num_tokens)
+        flat["context_lens"] += [0] * (S - num_seqs)
+        flat["cu_seqlens_q"] += [num_tokens] * (S - num_seqs)
+        return N, S, self.max_blocks_per_seq
+
+    def _put_input_ids(self, batch: ScheduledBatch, input_ids: list, pending: list,
+                       prev: Optional["LaunchedStep"]):
+        """The input ids, pending tokens copied from prev's samples on the device."""
+        ids = self.buffers["input_ids"]
+        if pending and batch.is_decode and batch.seqs == prev.seqs:
+            ids[:len(batch.seqs)].copy_(prev.tokens)   # a steady decode: same rows, no host ids
+            return
+        self._put(ids, input_ids)
+        if pending:
+            prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
+            rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
+            ids.index_copy_(0, self.to_device(rows, torch.int64),
+                            prev.tokens[self.to_device(src, torch.int64)])
 
     def sampling_batch(self, seqs: list) -> SamplingBatch:
         params, V = [s.params for s in seqs], self.cfg.vocab_size

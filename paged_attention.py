@@ -1142,10 +1142,12 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
 
 # ----------------------------------------------------------------------------
 # The engine's choice of implementation
-# nanoserve's Attention layer calls one (rope_store, attend) pair with the same
-# signatures whichever implementation runs: rope_store rotates q in place and
-# writes the rotated k and v into the pool; attend reads the pool through the
-# step's AttentionMetadata, as decode when every sequence brings one token.
+# nanoserve's layers call three names here, each the same whichever
+# implementation runs: the Attention layer one (rope_store, attend) pair of
+# ATTENTION (rope_store rotates q in place and writes the rotated k and v into
+# the pool; attend reads the pool through the step's AttentionMetadata, as
+# decode when every sequence brings one token), and every layer `norm` and
+# `linear` (the Triton kernels on the GPU, the torch references on the CPU).
 
 
 def _attend_with(decode, prefill):
@@ -1167,3 +1169,27 @@ ATTENTION = {
     "torch": (rope_store_kvcache_ref,
               _attend_with(paged_attention_decode_ref, paged_attention_prefill_ref)),
 }
+
+
+def norm(x, weight, eps):                                   # (N_tok, D)
+    """RMSNorm (rms_norm_ref): one Triton launch on the GPU, torch ops on the CPU."""
+    return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
+
+
+def linear(x, weight, norm=None, silu_mul=False, residual=None):  # (N_tok, K) -> (N_tok, N)
+    """residual + f(x) @ weight.T, f being the RMSNorm module `norm`, SiLU-and-mul
+    (x = [gate, up]) or nothing, and residual optional: every matmul of a layer.
+
+    Prologue/epilogue fusion: at batch-1 decode on the GPU (GEMV_MAX_ROWS) a
+    matmul is one read of the weight, and a norm, activation or add of its own
+    costs a launch and a wait (~1.5 us) for almost no bytes. The GEMV applies f
+    to x as it streams in and adds the residual on the way out, so a decoder
+    layer takes 7 launches where launching each norm, SiLU-and-mul and add on
+    its own takes 12. Larger batches take cuBLAS and the elementwise kernels."""
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+        norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        return gemv(x, weight, norm_weight, eps, silu_mul, residual)
+    if silu_mul:
+        x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
+    y = F.linear(x if norm is None else norm(x), weight)   # (N_tok, N)
+    return y if residual is None else residual + y
