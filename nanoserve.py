@@ -507,18 +507,6 @@ def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,
     sorted_logits.masked_fill_(cut, -float("inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
-def argmax_rows(logits):                                      # (B, V)
-    """argmax over the vocabulary, as a two-level reduction: a lone row is too little work for
-    one reduction kernel (one block would walk all V entries, ~25 us for Llama-3's vocabulary),
-    so each row is cut into 64 chunks reduced side by side first. Ties go to the first index,
-    as in torch.argmax."""
-    B, V = logits.shape                                    # rows, vocabulary
-    if V % 64:
-        return logits.argmax(dim=-1)
-    best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
-    chunk = best.argmax(dim=-1, keepdim=True)                 # (B, 1)
-    return (chunk * (V // 64) + idx.gather(1, chunk)).squeeze(1)
-
 def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     """Return the sampled token ids (B,) and, if asked, their log-probs."""
     plain = batch.all_greedy and batch.max_logprobs is None and batch.logit_edits is None \
@@ -526,7 +514,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
     logits = raw if batch.logit_edits is None else apply_logit_edits(raw, batch.logit_edits)
     logits = logits if batch.allowed is None else apply_token_mask(logits, *batch.allowed)
-    tokens = argmax_rows(logits)
+    tokens = pa.argmax_rows(logits)                        # (B,), the greedy choice
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
         scaled = logits / torch.where(t > 0, t, 1.0)     # greedy rows: any divisor; replaced below
@@ -1018,9 +1006,9 @@ class ModelRunner:
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
         """apply_logit_edits' entries: for each row with a bias or a penalty, one entry per
-        distinct token that has either. The tokens are counted on the host (so EngineCore reads
-        a penalized row's last token back before it launches the next step), with numpy: a
-        Python loop over a long prompt's tokens would cost milliseconds per step."""
+        distinct token that has either. The tokens are counted on the host, when `sample` runs
+        after the step before is read back, so the counts include every token so far; with
+        numpy: a Python loop over a long prompt's tokens would cost milliseconds per step."""
         entries = []                                           # (5, n) per edited row
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -1047,7 +1035,7 @@ class ModelRunner:
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"] = None) -> "LaunchedStep":
         """Queue one step on the device and return without waiting for it.
-        Pending tokens (see Sequence) are filled in from prev's samples."""
+        Pending tokens (see EngineCore.step) are filled in from prev's samples."""
         inputs = self.prepare(batch, prev)
         if inputs.graph is not None:
             graph, hidden = inputs.graph
@@ -1208,26 +1196,39 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    # -- one step --
+    # -- one step: async scheduling, and the pending token's whole life --
+    # Step N+1 is launched before step N's tokens are read back, so the host's
+    # work (schedule, prepare, launch, read back, end checks) hides behind the
+    # device's. A sequence's input in step N+1 is then the token it sampled in
+    # step N, which exists only in device memory: its pending token. One decoding
+    # sequence through one call of step(), L = len(token_ids) before it:
+    #
+    #   moment in step()                          len(token_ids)  pending  computed
+    #   before: step N launched and sampled             L            1         L
+    #   _launch: schedule (n = L + 1 - L = 1)           L            1         L
+    #   _launch: runner.launch N+1, counted             L            2       L + 1
+    #   _commit(N): token N read back, appended       L + 1          1       L + 1
+    #   runner.sample(N+1): token N+1 on the device   L + 1          1       L + 1
+    #
+    # The invariant: num_computed_tokens == len(token_ids) + num_pending_tokens - 1
+    # once a sequence's prompt is computed (every token but the newest is
+    # launched), and num_pending_tokens is 0 or 1 except between a _launch and
+    # the _commit of the step before. Who does what with it: Scheduler.schedule
+    # counts it as an input to compute, and _ends_when_read skips a sequence
+    # whose pending token is its last; ModelRunner.prepare leaves a placeholder
+    # in its input row and _put_input_ids copies it there from the step before's
+    # samples, on the device; _launch adds 1, _commit takes the 1 off and appends
+    # it to token_ids (or drops it if the sequence ended meanwhile). A non-final
+    # prefill chunk samples nothing, so it leaves no pending token.
     def step(self) -> list:
-        """Run one iteration; return an EngineCoreOutput per sequence that sampled.
-
-        Async scheduling: while the device runs step N, the host already
-        schedules and launches step N+1's forward pass, whose sequences take
-        step N's samples straight from device memory (their pending tokens:
-        see Sequence), and only then waits for step N's tokens. Step N+1 is
-        sampled after that wait, while its forward pass still runs, so that
-        penalties and grammars see token N on the host. The host's bookkeeping
-        hides behind the device's work. New requests join step N+1 like any
-        other."""
-        if self.launched is None:               # nothing in flight: start one step
-            self.launched = self._launch(prev=None)
-            if self.launched is None:
-                return []
-            self.runner.sample(self.launched)
-        done = self.launched
-        self.launched = self._launch(prev=done)
-        outputs = self._commit(done)
+        """Launch the next step, then read back the one launched before it (the
+        previous call's) and return an EngineCoreOutput per sequence that sampled in
+        it; the new step is sampled after that read-back, while its forward pass
+        still runs, so penalties and grammars see every token so far. The first
+        call has nothing to read back and returns []. New requests join the next
+        launch like any other."""
+        prev, self.launched = self.launched, self._launch(self.launched)
+        outputs = self._commit(prev) if prev is not None else []
         if self.launched is not None:
             self.runner.sample(self.launched)
         return outputs
@@ -1240,7 +1241,7 @@ class EngineCore:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n        # their K/V are on the way into the cache
         for seq in step.seqs:
-            seq.num_pending_tokens += 1         # sampled, not yet read (see Sequence)
+            seq.num_pending_tokens += 1         # sampled, not yet read (see step)
         return step
 
     def _commit(self, step: LaunchedStep) -> list:
@@ -1251,7 +1252,7 @@ class EngineCore:
         tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
         outputs = []
         for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
-            seq.num_pending_tokens -= 1         # read: no longer pending (see Sequence)
+            seq.num_pending_tokens -= 1         # read: no longer pending (see step)
             if seq.is_finished:                 # aborted, or ended by the step before
                 continue
             seq.token_ids.append(token)
@@ -1334,7 +1335,7 @@ class Delta:
     text: str                         # new text that is safe to send (may be "")
     token_ids: list                   # the new tokens
     logprobs: list                    # their (logprob, {token_id: logprob}), if asked
-    finish_reason: Optional[str]      # "stop" or "length" on the last one
+    finish_reason: Optional[str]      # "stop", "length" or "error" on the last one
     prompt_logprobs: Optional[list]   # on the first one, if asked
 
 class RequestState:

@@ -1146,8 +1146,9 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
 # implementation runs: the Attention layer one (rope_store, attend) pair of
 # ATTENTION (rope_store rotates q in place and writes the rotated k and v into
 # the pool; attend reads the pool through the step's AttentionMetadata, as
-# decode when every sequence brings one token), and every layer `norm` and
-# `linear` (the Triton kernels on the GPU, the torch references on the CPU).
+# decode when every sequence brings one token); every layer `norm` and
+# `linear` (the Triton kernels on the GPU, the torch references on the CPU);
+# and the sampler `argmax_rows` (a reduction split for a lone row's sake).
 
 
 def _attend_with(decode, prefill):
@@ -1193,3 +1194,16 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None):  # (N_tok, K) -
         x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
     y = F.linear(x if norm is None else norm(x), weight)   # (N_tok, N)
     return y if residual is None else residual + y
+
+
+def argmax_rows(logits):                                      # (B, V)
+    """argmax over the vocabulary, as a two-level reduction: a lone row is too little work for
+    one reduction kernel (one block would walk all V entries, ~25 us for Llama-3's vocabulary),
+    so each row is cut into 64 chunks reduced side by side first. Ties go to the first index,
+    as in torch.argmax."""
+    B, V = logits.shape                                    # rows, vocabulary
+    if V % 64:
+        return logits.argmax(dim=-1)
+    best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
+    chunk = best.argmax(dim=-1, keepdim=True)                 # (B, 1)
+    return (chunk * (V // 64) + idx.gather(1, chunk)).squeeze(1)
