@@ -76,7 +76,8 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-
 # config.json in __post_init__, so a Config is always complete and checked.
 
 def _flag(default, help: str, flag: Optional[str] = None):
-    """A field that becomes a CLI flag (see add_dataclass_flags)."""
+    """A Config or SamplingParams field that is also a CLI flag: add_dataclass_flags (the CLI
+    section) makes `--field-name` from its name, type, default and help, and `flag`."""
     return field(default=default, metadata={"help": help, "flag": flag})
 
 @dataclass
@@ -178,31 +179,21 @@ class Config:
 
 # ---------------------------------------------------------------------------
 # Loader
-# Checkpoints use Hugging Face names. The engine fuses q/k/v into one matmul
-# and gate/up into another, so an explicit map says where each checkpoint
-# tensor lands: (engine parameter, row slice of it).
+# Checkpoints use Hugging Face names. The engine's names are the same without
+# "model." and with "attn" for "self_attn", except that it fuses q/k/v into one
+# matmul and gate/up into another: those tensors land in row slices of it.
 
-def weight_name_map(cfg: Config) -> dict[str, tuple[str, slice]]:
+def engine_name(key: str, cfg: Config) -> tuple[str, slice]:
+    """Where a checkpoint tensor lands: (engine parameter, row slice of it)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    i, every = cfg.intermediate_size, slice(None)
-    names = {"model.embed_tokens.weight": ("embed_tokens.weight", every),
-             "model.norm.weight": ("norm.weight", every)}
-    if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = ("lm_head.weight", every)
-    for n in range(cfg.num_layers):
-        hf, me = f"model.layers.{n}.", f"layers.{n}."
-        names.update({
-            hf + "self_attn.q_proj.weight": (me + "attn.qkv_proj.weight", slice(0, q)),
-            hf + "self_attn.k_proj.weight": (me + "attn.qkv_proj.weight", slice(q, q + kv)),
-            hf + "self_attn.v_proj.weight": (me + "attn.qkv_proj.weight", slice(q + kv, q + 2 * kv)),
-            hf + "self_attn.o_proj.weight": (me + "attn.o_proj.weight", every),
-            hf + "mlp.gate_proj.weight": (me + "mlp.gate_up_proj.weight", slice(0, i)),
-            hf + "mlp.up_proj.weight": (me + "mlp.gate_up_proj.weight", slice(i, 2 * i)),
-            hf + "mlp.down_proj.weight": (me + "mlp.down_proj.weight", every),
-            hf + "input_layernorm.weight": (me + "input_layernorm.weight", every),
-            hf + "post_attention_layernorm.weight": (me + "post_attention_layernorm.weight", every),
-        })
-    return names
+    i = cfg.intermediate_size                                  # I
+    fused = {"q_proj": ("qkv_proj", slice(0, q)), "k_proj": ("qkv_proj", slice(q, q + kv)),
+             "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+             "gate_proj": ("gate_up_proj", slice(0, i)), "up_proj": ("gate_up_proj", slice(i, 2 * i))}
+    *module, proj, kind = key.removeprefix("model.").replace("self_attn.", "attn.").split(".")
+    if proj in fused:                # layers.3.attn.k_proj.weight -> layers.3.attn.qkv_proj.weight
+        return ".".join([*module, fused[proj][0], kind]), fused[proj][1]
+    return ".".join([*module, proj, kind]), slice(None)
 
 def _progress(msg: str, end: bool = False):
     """One updating status line on stderr (a plain line when not a terminal)."""
@@ -219,22 +210,21 @@ def load_weights(model: nn.Module, cfg: Config):
     files = sorted(Path(cfg.model).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors file in {cfg.model!r}")
-    names, params = weight_name_map(cfg), dict(model.named_parameters())
-    num_rows_loaded = {name: 0 for name in params}
-    num_done, num_total = 0, len(names)
+    params, num_done = dict(model.named_parameters()), 0
+    num_rows_loaded = dict.fromkeys(params, 0)
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if key not in names:
-                    if "rotary_emb" in key or (key == "lm_head.weight" and cfg.tie_word_embeddings):
-                        continue  # derived from the config / tied to the embedding
+                if "rotary_emb" in key or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue  # derived from the config / tied to the embedding
+                target, rows = engine_name(key, cfg)
+                if target not in params:
                     raise ValueError(f"unexpected tensor {key!r} in {path.name}")
-                target, rows = names[key]
                 tensor = f.get_tensor(key)
                 params[target].data[rows].copy_(tensor)  # copy_ casts to the engine dtype
                 num_rows_loaded[target] += tensor.shape[0]
                 num_done += 1
-                _progress(f"loading weights {num_done}/{num_total}")
+                _progress(f"loading weights: {num_done} tensors")
     _progress(f"loaded {num_done} tensors from {len(files)} file(s)", end=True)
     missing = [n for n, p in params.items() if num_rows_loaded[n] != p.shape[0]]
     if missing:
@@ -921,7 +911,8 @@ class ModelRunner:
         prompt is left); and the rows whose input is a pending token."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
-        sample_rows, sample_seqs, pending = [], [], []     # pending: (row, seq)
+        sample_rows, sample_seqs, pending, tables = [], [], [], []   # pending: (row, seq)
+        width = max(len(seq.block_table) for seq in batch.seqs)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             last_row = flat["cu_seqlens_q"][-1] + n - 1
@@ -930,6 +921,7 @@ class ModelRunner:
                 flat["input_ids"].append(0)        # a placeholder: _put_input_ids fills it
                 pending.append((last_row, seq))
             table = seq.block_table
+            tables.append(table + [0] * (width - len(table)))   # the row's blocks, then 0s
             flat["positions"] += range(start, end)
             flat["slot_mapping"] += [table[p // bs] * bs + p % bs for p in range(start, end)]
             flat["context_lens"].append(end)
@@ -937,10 +929,7 @@ class ModelRunner:
             if end >= seq.num_tokens:
                 sample_rows.append(last_row)
                 sample_seqs.append(i)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        flat["block_tables"] = np.zeros((len(batch.seqs), width), dtype=np.int32)
-        for i, seq in enumerate(batch.seqs):
-            flat["block_tables"][i, :len(seq.block_table)] = seq.block_table
+        flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
         return flat, sample_rows, sample_seqs, pending
 
     def _pad(self, flat: dict, key: Optional[tuple], num_seqs: int) -> tuple:
@@ -1273,8 +1262,7 @@ class EngineCore:
                 del self.seqs[seq.request_id]
             outputs.append(out)
         for seq in step.batch.seqs:
-            if not seq.is_finished:
-                self.scheduler.cache_computed_blocks(seq)
+            self.scheduler.cache_computed_blocks(seq)    # a finished one has no blocks left
         self.num_generated_tokens += len(outputs)
         return outputs
 
@@ -1573,10 +1561,12 @@ class LLM:
 # detokenizing) competes with the step loop for the GIL. Two pipes join it to
 # the server. In: a list of EngineCoreRequests, or an EngineCoreAbort. Out:
 # once, the engine core's stats when it is ready (or a string saying why it
-# failed to start), then one EngineCoreOutputs per step. The server closing
-# its end of the inbox stops the engine core. Both ends are here: the engine
-# core's loop (run_engine_core, in its process) and EngineCoreClient (in the
-# server's), which hands each step's outputs to the waiting HTTP handlers.
+# failed to start), then one EngineCoreOutputs per turn of its loop (empty
+# when the turn ran no step). The server closing its end of the inbox stops
+# the engine core. Both ends are here: the engine core's loop (run_engine_core,
+# in its process) and EngineCoreClient (in the server's), which hands each
+# step's outputs to the waiting HTTP handlers; what they do with them, read
+# next: OpenAIServer._respond and _Shape.chunks and .stream (the Server section).
 
 @dataclass
 class EngineCoreAbort:
