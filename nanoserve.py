@@ -2288,8 +2288,8 @@ class OpenAIServer:
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return _EventStream(shape.stream(chunks, include_usage),
-                                headers={"Cache-Control": "no-cache"})
+            return _EventStream(shape.stream(chunks, include_usage),   # nginx: pass it unbuffered
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         body = await shape.collect(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
