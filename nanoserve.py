@@ -2322,7 +2322,7 @@ def serve(cfg: Config):
     client = EngineCoreClient(cfg)
     print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
           + (" (API key required)" if cfg.api_key else ""), flush=True)
-    try:
+    try:   # SIGTERM drains (README), then uvicorn re-raises it: the engine core exits on EOF
         server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
         server.run(sockets=[sock])
     finally:
