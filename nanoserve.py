@@ -2292,8 +2292,8 @@ class OpenAIServer:
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return _EventStream(shape.stream(chunks, include_usage),
-                                headers={"Cache-Control": "no-cache"})
+            return _EventStream(shape.stream(chunks, include_usage),   # nginx: pass it unbuffered
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         body = await shape.collect(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
@@ -2326,7 +2326,7 @@ def serve(cfg: Config):
     client = EngineCoreClient(cfg)
     print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
           + (" (API key required)" if cfg.api_key else ""), flush=True)
-    try:
+    try:   # SIGTERM drains (README), then uvicorn re-raises it: the engine core exits on EOF
         server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
         server.run(sockets=[sock])
     finally:

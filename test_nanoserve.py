@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -1123,6 +1124,18 @@ KEY = "sk-test-key"
 GREEDY_REQUEST = dict(model=MODEL, temperature=0, max_tokens=8)
 
 
+def wait_healthy(url: str):
+    deadline = time.time() + 30
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the server did not come up"
+        time.sleep(0.05)
+
+
 class ServerThread:
     """uvicorn on a free port of 127.0.0.1, in a thread of this process."""
 
@@ -1134,15 +1147,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
         self.thread.start()
-        deadline = time.time() + 30
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.05)
+        wait_healthy(self.url)
 
     def stop(self):
         self.server.should_exit = True
@@ -1881,29 +1886,112 @@ def test_bad_inputs_are_4xx_and_the_server_stays_up(server, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_engine_core_exits_with_the_server():
-    """`serve` killed outright (no shutdown code runs): its engine core
-    process sees the pipe close and exits, so nothing keeps the device."""
+def start_serve(*flags):
+    """`nanoserve.py serve` as a user starts it, in a process of its own on a free port of
+    127.0.0.1: (process, url, pids of its children, the engine core among them), once
+    /health answers."""
     server_config()                                  # skips without the default model
     import subprocess
-    proc = subprocess.Popen([sys.executable, "nanoserve.py", "serve", "--port", "0"],
+    with socket.socket() as s:                       # a free port, freed again for serve
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "nanoserve.py", "serve", "--port", str(port), *flags],
                             cwd=os.path.dirname(os.path.abspath(__file__)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert "serving" in proc.stdout.readline() + proc.stdout.readline()
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
             children = [int(pid) for pid in f.read().split()]
-        assert children, "no engine core process"
-    finally:
+        wait_healthy(f"http://127.0.0.1:{port}")
+    except BaseException:
         proc.kill()
         proc.wait()
+        raise
+    return proc, f"http://127.0.0.1:{port}", children
+
+
+def wait_exited(pids: list, timeout: float):
     def alive(pid):                                  # a zombie has exited too
         try:
             with open(f"/proc/{pid}/stat") as f:
                 return f.read().split()[2] != "Z"
         except FileNotFoundError:
             return False
-    deadline = time.time() + 60
-    while any(alive(pid) for pid in children):
+    deadline = time.time() + timeout
+    while any(alive(pid) for pid in pids):
         assert time.time() < deadline, "the engine core outlived its server"
         time.sleep(0.2)
+
+
+def test_engine_core_exits_with_the_server():
+    """`serve` killed outright (no shutdown code runs): its engine core
+    process sees the pipe close and exits, so nothing keeps the device."""
+    proc, url, children = start_serve()
+    try:
+        assert children, "no engine core process"
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_exited(children, 60)
+
+
+def test_sigterm_drains_the_stream_in_flight():
+    """SIGTERM, as a rolling restart behind a load balancer sends it: a stream in flight
+    ends whole, with all its tokens and [DONE]; a new connection meanwhile is refused (or
+    answered 503), so the balancer sends it elsewhere; then the server and its engine core
+    exit. Not vacuous: the signal is sent after the first token, and tokens must still
+    arrive after the server has been seen refusing."""
+    proc, url, children = start_serve("--num-threads", "1")
+    num_tokens = 24
+    body = dict(model=MODEL, prompt="The capital of France is", max_tokens=num_tokens,
+                temperature=0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})
+    events, first_token = [], threading.Event()   # (arrival time, SSE data) per event
+
+    def read():
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append((time.monotonic(), line.removeprefix("data: ")))
+                    first_token.set()
+        first_token.set()                         # a stream that ended early fails below
+    reader = threading.Thread(target=read)
+    try:
+        assert children, "no engine core process"
+        reader.start()
+        assert first_token.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        refused_by = None                         # how the server turned a new connection away
+        while refused_by is None:
+            assert time.monotonic() < sigterm_at + 30, "still accepting 30 s after SIGTERM"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 503:
+                    refused_by = "503"
+            except httpx.ConnectError:
+                refused_by = "refused"
+            except httpx.TransportError:          # accepted just before the socket closed
+                pass
+            time.sleep(0.01)
+        refused_at = time.monotonic()
+        assert proc.poll() is None, "the server exited instead of draining"
+        reader.join(60)
+        # exits by itself; uvicorn raises the signal again once drained (older ones return 0)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        proc.kill()
+        proc.wait()
+    output = proc.stdout.read()
+    assert "Traceback" not in output, output
+    assert events and events[-1][1] == "[DONE]", events[-3:]
+    chunks = [json.loads(data) for _, data in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == num_tokens, chunks[-1]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    times = [t for t, _ in events[:-1]]
+    late = [t for t, c in zip(times, chunks) if t > refused_at and c["choices"]
+            and c["choices"][0]["text"]]
+    print(f"SIGTERM after the first token; new connections {refused_by} "
+          f"{(refused_at - sigterm_at) * 1e3:.0f} ms later; {len(late)} chunks with text after "
+          f"that; the stream finished {times[-1] - sigterm_at:.2f} s after SIGTERM")
+    assert late, "the stream had ended before the server refused: nothing was drained"
+    wait_exited(children, 30)
