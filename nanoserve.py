@@ -257,9 +257,9 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()                                # (hd/2,)
-    # Llama 3 stretches long wavelengths by `factor`, keeps short ones, and
-    # blends smoothly between the two bands, so that a model trained on
-    # original_max_position_embeddings tokens extrapolates to longer contexts.
+    # Llama 3 stretches long wavelengths by `factor`, keeps short ones and blends smoothly
+    # between the bands, so a model trained on original_max_position_embeddings tokens
+    # extrapolates to longer contexts.
     old_len, factor = s["original_max_position_embeddings"], s["factor"]
     low, high = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq                       # (hd/2,) tokens per full turn
@@ -270,10 +270,9 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     return torch.where(medium, blended, scaled).float()        # (hd/2,)
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of every position times every channel pair's frequency,
-    precomputed. The rotation itself (pa.rope_ref) is done by the attention's
-    rope_store, which also writes k and v to the KV pool (on the GPU in one
-    Triton kernel, pa.rope_store_kvcache)."""
+    """cos and sin of every position times every channel pair's frequency, precomputed. The
+    rotation itself (pa.rope_ref) is done by the attention's rope_store, which also writes k
+    and v to the KV pool (on the GPU in one Triton kernel, pa.rope_store_kvcache)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -284,13 +283,11 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class AttentionMetadata:
-    """Where each sequence of a step lives in the flat batch and in the KV pool.
-    ModelRunner.prepare fills it for each step (the Model runner section).
-
+    """Where each sequence of a step lives in the flat batch and the KV pool; ModelRunner.prepare
+    fills it for each step (the Model runner section).
     block_table: the pool blocks that hold one sequence's KV, in order.
-    slot_mapping: for each new token, the pool slot its K/V is written to
-    (block_id * block_size + offset); -1 marks a padding token.
-    """
+    slot_mapping: for each new token, the pool slot its K/V is written to (block_id * block_size
+    + offset); -1 marks a padding token."""
     slot_mapping: torch.Tensor        # (N_tok,) int64
     block_tables: torch.Tensor        # (B, max_blocks) int32
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
@@ -348,10 +345,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rope, meta):               # (N_tok, D)
-        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)).
-        Each sublayer takes its norm and its residual as arguments, so that its first
-        matmul applies the norm and its last adds the residual (pa.linear: at batch 1,
-        inside the one GEMV that reads the weight)."""
+        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)). Each
+        sublayer takes its norm and residual as arguments, so its first matmul applies the norm and
+        its last adds the residual (pa.linear: at batch 1, in the one GEMV that reads the weight)."""
         h = self.attn(x, positions, rope, meta, norm=self.input_layernorm, residual=x)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
@@ -489,8 +485,7 @@ def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,
     # top-k by position in the sorted row, so exactly k survive even with ties
     cut = torch.arange(V, device=logits.device) < (V - top_ks).unsqueeze(1)
     sorted_logits.masked_fill_(cut, -float("inf"))
-    # top-p: drop a token when it and all smaller ones hold <= 1 - p of the
-    # mass; the largest token always stays.
+    # top-p: drop a token if it and all smaller ones hold <= 1 - p of the mass; the largest stays
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)     # (B, V), ascending mass
     cut = cum <= (1 - top_ps).unsqueeze(1)
     cut[:, -1] = False
@@ -511,11 +506,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         if batch.needs_top_k_top_p:
             scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
         probs = scaled.softmax(dim=-1)                     # (B, V)
-        # Exponential race ("sample without a CUDA sync"): draw E_i ~ Exp(1) per
-        # token; token i wins when E_i / p_i is the smallest, which happens with
-        # probability exactly p_i (the minimum of exponentials with rates p_i).
-        # So argmax(p / E) is a draw from p, and unlike torch.multinomial it needs
-        # no host round trip and takes a per-row generator.
+        # Exponential race ("sample without a CUDA sync"): draw E_i ~ Exp(1) per token; token i
+        # wins when E_i / p_i is the smallest, which happens with probability exactly p_i (the
+        # minimum of exponentials with rates p_i). So argmax(p / E) is a draw from p, and unlike
+        # torch.multinomial it needs no host round trip and takes a per-row generator.
         noise = torch.empty_like(probs).exponential_()
         for row, gen in batch.generators:
             noise[row].exponential_(generator=gen)
@@ -598,8 +592,7 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 # blocks are freed and it is recomputed from its tokens later.
 
 class Sequence:
-    """One request as the engine core sees it: token ids (never text), cache
-    blocks and progress."""
+    """One request as the engine core sees it: token ids (never text), cache blocks, progress."""
 
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
@@ -610,12 +603,11 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        # The pending token (async scheduling): a token sampled for this sequence that
-        # is still only in device memory, because the next step is launched before
-        # this one's tokens are read back. Schedule counts it as the next input to
-        # compute; when schedule runs there is 0 or 1 of them, and with 1,
-        # num_computed_tokens == len(token_ids). Its whole life, step by step, is
-        # told once, with a timeline, above EngineCore.step.
+        # The pending token (async scheduling): a token sampled for this sequence that is still
+        # only in device memory, because the next step is launched before this one's tokens are
+        # read back. Schedule counts it as the next input to compute; when schedule runs there is
+        # 0 or 1 of them, and with 1, num_computed_tokens == len(token_ids). Its whole life, step
+        # by step, is told once, with a timeline, above EngineCore.step.
         self.num_pending_tokens = 0      # sampled, not yet in token_ids (EngineCore.step)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
@@ -672,8 +664,7 @@ class Scheduler:
         return batch
 
     def _ends_when_read(self, seq: Sequence) -> bool:
-        """True if seq's pending token is its last by length, so that no step
-        after it is worth launching."""
+        """True if seq's pending token is its last by length: no later step is worth launching."""
         num_tokens = seq.num_tokens + seq.num_pending_tokens
         return seq.num_pending_tokens > 0 and (
             num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
@@ -684,12 +675,11 @@ class Scheduler:
         return max(0, total - len(seq.block_table))
 
     def _reserve_blocks(self, seq: Sequence, n: int) -> bool:
-        """Give seq blocks for n more tokens, preempting from the back of the
-        running queue as needed. False if seq itself had to be preempted.
-        A victim is never in the batch being built: schedule walks running from
-        the front and victims come from the back, behind seq (and schedule skips a
-        victim when it reaches it). Admission only reserves blocks it has checked
-        are free, so it never preempts."""
+        """Give seq blocks for n more tokens, preempting from the back of the running queue as
+        needed. False if seq itself had to be preempted. A victim is never in the batch being
+        built: schedule walks running from the front and victims come from the back, behind seq
+        (and schedule skips a victim when it reaches it). Admission only reserves blocks it has
+        checked are free, so it never preempts."""
         needed = self._num_blocks_needed(seq, n)           # 0 while the last block has room
         while needed > self.allocator.num_free_blocks:
             victim = self.running[-1]                      # the most recently admitted
