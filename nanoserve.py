@@ -1,12 +1,11 @@
 """nanoserve: a whole LLM inference engine in one file.
 
-This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big
-engines do, small enough to read in an afternoon: a paged KV cache with a
-block allocator and prefix caching, a continuous-batching scheduler that
-mixes chunked prefills and decodes in one step, batched sampling with
-grammars for structured output, CUDA graphs for every step, and an
-OpenAI-compatible HTTP server with SSE streaming. The paged-attention
-kernels live next door in paged_attention.py.
+This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big engines do,
+small enough to read in an afternoon: a paged KV cache with a block allocator and prefix
+caching, a continuous-batching scheduler that mixes chunked prefills and decodes in one
+step, batched sampling with grammars for structured output, CUDA graphs for every step, and
+an OpenAI-compatible HTTP server with SSE streaming. The paged-attention kernels live next
+door in paged_attention.py.
 
 Left out on purpose: tensor parallelism, quantization, speculative decoding,
 LoRA, beam search, multimodal inputs and every model family but Llama.
@@ -20,15 +19,13 @@ Run it:
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
-Read it top to bottom: config -> loader -> layers -> model -> sampler ->
-block allocator -> scheduler -> model runner -> engine core -> front end ->
-engine core process -> server -> CLI. A request enters at the HTTP handler
-(or LLM.generate), is tokenized by the FrontEnd, and crosses a pipe to the
-engine core process as an EngineCoreRequest. There it becomes a Sequence, is
-scheduled step by step into a flat batch, runs through Model.forward
-(attention reads the paged cache through paged_attention.py) and is sampled;
-each step's token ids cross back as EngineCoreOutputs, and the FrontEnd
-turns them into text for the HTTP stream.
+Read it top to bottom: config -> loader -> layers -> model -> sampler -> block allocator ->
+scheduler -> model runner -> engine core -> front end -> engine core process -> server ->
+CLI. A request enters at the HTTP handler (or LLM.generate), is tokenized by the FrontEnd,
+and crosses a pipe to the engine core process as an EngineCoreRequest. There it becomes a
+Sequence, is scheduled step by step into a flat batch, runs through Model.forward (attention
+reads the paged cache through paged_attention.py) and is sampled; each step's token ids
+cross back as EngineCoreOutputs, and the FrontEnd turns them into text for the HTTP stream.
 """
 
 from __future__ import annotations
@@ -245,9 +242,8 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))  # weight: (D,)
 
     def forward(self, x):                                      # (N_tok, D)
-        """weight * x / sqrt(mean(x^2) + eps), normalized in fp32 (squares of bf16
-        activations would lose bits) and cast back before the weight, as transformers
-        does, so bf16 results round the same way (pa.rms_norm_ref)."""
+        """weight * x / sqrt(mean(x^2) + eps), normalized in fp32 (bf16 squares would lose bits) and
+        cast back before the weight as transformers does, so bf16 rounds alike (pa.rms_norm_ref)."""
         return pa.norm(x, self.weight, self.eps)
 
 def rope_inv_freq(cfg: Config) -> torch.Tensor:
@@ -347,7 +343,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, rope, meta):               # (N_tok, D)
         """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)). Each
         sublayer takes its norm and residual as arguments, so its first matmul applies the norm and
-        its last adds the residual (pa.linear: at batch 1, in the one GEMV that reads the weight)."""
+        its last adds the residual (pa.linear: at batch 1, in the one GEMV reading the weight)."""
         h = self.attn(x, positions, rope, meta, norm=self.input_layernorm, residual=x)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
@@ -448,8 +444,7 @@ class SamplingParams:
 
 @dataclass
 class SamplingBatch:
-    """The per-row settings of one step, as device tensors, plus host-side flags
-    that let the sampler skip work nobody asked for."""
+    """A step's per-row settings as device tensors; host flags let the sampler skip unasked work."""
     temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows; None if all are
     top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off
     top_ps: Optional[torch.Tensor]    # (B,) float
@@ -472,8 +467,7 @@ def apply_logit_edits(logits, edits):                        # (B, V) fp32
     return logits.index_put((rows, ids), x)
 
 def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
-    """-inf for every token that a constrained row's grammar does not allow
-    next: bit j of int32 word i of its bitmask allows token 32 i + j."""
+    """-inf for tokens a row's grammar forbids next: bit j of int32 word i allows token 32 i + j."""
     bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
     allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, -math.inf))
@@ -734,12 +728,11 @@ class Scheduler:
             seq.block_hashes.append(prefix_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def cache_computed_blocks(self, seq: Sequence):
-        """After a step is read back, name the blocks that have just become full.
-        Such a block may still be being written by the step launched after it
-        (num_computed_tokens counts launched tokens); that is safe, because a step
-        that reads it through a prefix-cache hit is launched later on the same
-        CUDA stream, so it runs after the write. Only tokens already read back are
-        hashed: the pending token is not in token_ids."""
+        """After a step is read back, name the blocks that have just become full. Such a block may
+        still be being written by the step launched after it (num_computed_tokens counts launched
+        tokens); that is safe, because a step that reads it through a prefix-cache hit is launched
+        later on the same CUDA stream, so it runs after the write. Only tokens already read back
+        are hashed: the pending token is not in token_ids."""
         if not self.cfg.enable_prefix_caching:
             return
         self._hash_full_blocks(seq)
@@ -878,9 +871,8 @@ class ModelRunner:
         view.copy_(host.pin_memory() if self.use_cuda else host, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
-        """The step's inputs in the static buffers, in three parts: flatten the
-        batch, pad it to the size of the graph that replays it, fill in the pending
-        tokens from prev's samples."""
+        """The step's inputs in the static buffers, in three parts: flatten the batch, pad it to
+        the size of the graph that replays it, fill in the pending tokens from prev's samples."""
         flat, sample_rows, sample_seqs, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = self._graph_key(batch.is_decode, num_tokens)
@@ -1176,11 +1168,10 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     # -- one step: async scheduling, and the pending token's whole life --
-    # Step N+1 is launched before step N's tokens are read back, so the host's
-    # work (schedule, prepare, launch, read back, end checks) hides behind the
-    # device's. A sequence's input in step N+1 is then the token it sampled in
-    # step N, which exists only in device memory: its pending token. One decoding
-    # sequence through one call of step(), L = len(token_ids) before it:
+    # Step N+1 is launched before step N's tokens are read back, so the host's work (schedule,
+    # prepare, launch, read back, end checks) hides behind the device's. A sequence's input in
+    # step N+1 is then the token it sampled in step N, only in device memory: its pending token.
+    # One decoding sequence through one call of step(), L = len(token_ids) before it:
     #
     #   moment in step()                          len(token_ids)  pending  computed
     #   before: step N launched and sampled             L            1         L
@@ -1189,23 +1180,20 @@ class EngineCore:
     #   _commit(N): token N read back, appended       L + 1          1       L + 1
     #   runner.sample(N+1): token N+1 on the device   L + 1          1       L + 1
     #
-    # The invariant: num_computed_tokens == len(token_ids) + num_pending_tokens - 1
-    # once a sequence's prompt is computed (every token but the newest is
-    # launched), and num_pending_tokens is 0 or 1 except between a _launch and
-    # the _commit of the step before. Who does what with it: Scheduler.schedule
-    # counts it as an input to compute, and _ends_when_read skips a sequence
-    # whose pending token is its last; ModelRunner.prepare leaves a placeholder
-    # in its input row and _put_input_ids copies it there from the step before's
-    # samples, on the device; _launch adds 1, _commit takes the 1 off and appends
-    # it to token_ids (or drops it if the sequence ended meanwhile). A non-final
-    # prefill chunk samples nothing, so it leaves no pending token.
+    # The invariant: num_computed_tokens == len(token_ids) + num_pending_tokens - 1 once a
+    # sequence's prompt is computed (every token but the newest is launched); num_pending_tokens
+    # is 0 or 1 except between a _launch and the _commit of the step before. Who does what with
+    # it: Scheduler.schedule counts it as an input to compute, and _ends_when_read skips a
+    # sequence whose pending token is its last; ModelRunner.prepare leaves a placeholder in its
+    # input row and _put_input_ids copies it there from the step before's samples, on the
+    # device; _launch adds 1, _commit takes the 1 off and appends it to token_ids (or drops it if
+    # the sequence ended meanwhile). A non-final prefill chunk samples nothing: no pending token.
     def step(self) -> list:
-        """Launch the next step, then read back the one launched before it (the
-        previous call's) and return an EngineCoreOutput per sequence that sampled in
-        it; the new step is sampled after that read-back, while its forward pass
-        still runs, so penalties and grammars see every token so far. The first
-        call has nothing to read back and returns []. New requests join the next
-        launch like any other."""
+        """Launch the next step, then read back the one launched before it (the previous call's)
+        and return an EngineCoreOutput per sequence that sampled in it; the new step is sampled
+        after that read-back, while its forward pass still runs, so penalties and grammars see
+        every token so far. The first call has nothing to read back and returns []. New requests
+        join the next launch like any other."""
         prev, self.launched = self.launched, self._launch(self.launched)
         outputs = self._commit(prev) if prev is not None else []
         if self.launched is not None:
@@ -1224,8 +1212,7 @@ class EngineCore:
         return step
 
     def _commit(self, step: LaunchedStep) -> list:
-        """Read a launched step's tokens back (the one host-device sync of a
-        step) and hand each to its sequence."""
+        """Read a step's tokens back (its one host-device sync) and hand each to its sequence."""
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
