@@ -253,9 +253,8 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()                                # (hd/2,)
-    # Llama 3 stretches long wavelengths by `factor`, keeps short ones and blends smoothly
-    # between the bands, so a model trained on original_max_position_embeddings tokens
-    # extrapolates to longer contexts.
+    # Llama 3 stretches long wavelengths by `factor`, keeps short ones, blends smoothly in between,
+    # so a model trained on original_max_position_embeddings tokens extrapolates to longer contexts.
     old_len, factor = s["original_max_position_embeddings"], s["factor"]
     low, high = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq                       # (hd/2,) tokens per full turn
@@ -759,8 +758,7 @@ class Scheduler:
 
 @dataclass
 class StepInputs:
-    """A scheduled batch flattened into the runner's input buffers (prepare), padded to a graph's
-    size if one replays it."""
+    """A batch flattened into the buffers (prepare), padded to a graph's size if one replays it."""
     input_ids: torch.Tensor           # (N_tok,) int64, pending tokens filled in on the device
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
@@ -827,9 +825,8 @@ class ModelRunner:
         if cfg.num_blocks:
             num_blocks = cfg.num_blocks
         elif self.use_cuda:
-            # Run the largest possible step once, so the activations' peak is
-            # known; the KV pool gets what is left of the allowed fraction. The
-            # CUDA graphs' shared pool holds the same activations, no more.
+            # Run the largest step once to learn the activations' peak; the KV pool gets the rest
+            # of the allowed fraction. The graphs' shared pool holds the same activations, no more.
             peak = self._profile_peak_bytes()
             total = torch.cuda.get_device_properties(self.device).total_memory
             num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
@@ -1314,8 +1311,7 @@ class RequestState:
         self.incremental = incremental or bool(params.stop)  # text per step, not at the end
         self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
-        # the detokenizer's window, as indices into token_ids (not slices,
-        # which would copy the whole completion every step)
+        # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
         self.prefix_offset = self.read_offset = 0         # [prefix, read): shown, kept as context
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
@@ -1337,10 +1333,9 @@ def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
 
 class ChatTemplate:
-    """The model's own chat template (tokenizer_config.json), rendered the way
-    transformers renders it. The template is code shipped with the checkpoint,
-    so it runs in jinja2's sandbox; blocks are trimmed, and the helpers that
-    templates call (raise_exception, strftime_now) exist."""
+    """The model's own chat template (tokenizer_config.json), rendered as transformers renders it.
+    The template is code shipped with the checkpoint, so it runs in jinja2's sandbox; blocks are
+    trimmed, and the helpers that templates call (raise_exception, strftime_now) exist."""
 
     def __init__(self, tokenizer_config: dict):
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -1461,10 +1456,9 @@ class FrontEnd:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _detokenize(self, states: list):
-        """Append each request's newly completed text. A window of a few tokens
-        is decoded twice (before and after the new tokens), all requests in
-        one batched call; text is only added once it no longer ends in U+FFFD,
-        so a multi-byte character split over tokens is never sent half-made."""
+        """Append each request's newly completed text. A window of a few tokens is decoded twice
+        (before and after the new tokens), all requests in one batched call; text is added once it
+        no longer ends in U+FFFD, so a multi-byte character split over tokens is never half-sent."""
         if self.tokenizer is None or not states:
             return
         windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
@@ -1533,17 +1527,16 @@ class LLM:
 
 # ---------------------------------------------------------------------------
 # Engine core process
-# Behind the server the engine core runs in a process of its own, in that
-# process's main thread, so that no per-request Python work (JSON, SSE,
-# detokenizing) competes with the step loop for the GIL. Two pipes join it to
-# the server. In: a list of EngineCoreRequests, or an EngineCoreAbort. Out:
-# once, the engine core's stats when it is ready (or a string saying why it
-# failed to start), then one EngineCoreOutputs per turn of its loop (empty
-# when the turn ran no step). The server closing its end of the inbox stops
-# the engine core. Both ends are here: the engine core's loop (run_engine_core,
-# in its process) and EngineCoreClient (in the server's), which hands each
-# step's outputs to the waiting HTTP handlers; what they do with them, read
-# next: OpenAIServer._respond and _Shape.chunks and .stream (the Server section).
+# Behind the server the engine core runs in its own process's main thread, so
+# that no per-request Python work (JSON, SSE, detokenizing) competes with the
+# step loop for the GIL. Two pipes join it to the server. In: a list of
+# EngineCoreRequests, or an EngineCoreAbort. Out: once, its stats when it is
+# ready (or a string saying why it failed to start), then one EngineCoreOutputs
+# per turn of its loop (empty when the turn ran no step). The server closing
+# its end of the inbox stops it. Both ends are here: run_engine_core (in its
+# process) and EngineCoreClient (in the server's), which hands each step's
+# outputs to the waiting HTTP handlers; what they do with them, read next:
+# OpenAIServer._respond, _Shape.chunks and .stream (the Server section).
 
 @dataclass
 class EngineCoreAbort:
@@ -1686,8 +1679,7 @@ class EngineCoreClient:
                 self.loop.call_soon_threadsafe(self._engine_died)
 
     def _deliver(self, messages: list):
-        """On the event loop: steps' outputs through the FrontEnd, out to the
-        requests' queues."""
+        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
         self.stats = messages[-1].stats
         states, stopped = self.front.process([o for m in messages for o in m.outputs])
         self._abort(stopped)
@@ -1701,8 +1693,7 @@ class EngineCoreClient:
                 queue.put_nowait(state)
 
     def _observe(self, state: RequestState, now: float):
-        """Time to first token, and a gap per token after it (0 for tokens
-        that arrive together, as the client sees them)."""
+        """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
         num_new = len(state.token_ids) - state.num_timed_tokens
         if num_new:
             first = state.last_token_time is None
@@ -1752,10 +1743,9 @@ class APIError(Exception):
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
 
-# -- request parsing: each endpoint has one table of the fields it takes. A
-# field is checked the same way everywhere: its JSON type, then its own rule
-# if it has one (rules also fill in defaults); any failure is a 400 that
-# names the field --
+# -- request parsing: each endpoint has one table of the fields it takes. A field is checked
+# the same way everywhere: its JSON type, then its own rule if it has one (rules also fill in
+# defaults); any failure is a 400 that names the field --
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
@@ -1820,9 +1810,8 @@ def _response_format(v, f) -> Optional[dict]:
     return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
 
 def _tool_choice(v, f) -> Optional[str]:
-    """None (no call is forced), "required" (a call of any tool) or the name
-    of the one tool to call. "auto", the default with tools, needs a parser
-    of each model family's calls in free text: left out."""
+    """None (no call forced), "required" (a call of any tool) or the name of the one tool to call.
+    "auto", the default with tools, needs a parser of each model family's own calls: left out."""
     names = [t["function"]["name"] for t in f.get("tools") or []]
     if isinstance(v, dict):
         v = parse_fields(v, _FUNCTION_CHOICE, "tool_choice.")["function"]["name"]
@@ -2033,9 +2022,8 @@ def _fold(whole: dict, chunk: dict):
             whole[key] = value
 
 class _CompletionShape(_Shape):
-    """The legacy completions shape. `echo` puts each prompt in front of its
-    choices' text, and with `logprobs` its tokens' log-probs in front of theirs
-    (null for the first token, which nothing predicts)."""
+    """The legacy completions shape: `echo` puts each prompt before its choices' text and, with
+    `logprobs`, its tokens' log-probs before theirs (null for the first, which nothing predicts)."""
     id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
     def __init__(self, server, prompts: list, prompt_ids: list, num_top_logprobs, echo: bool,
@@ -2148,8 +2136,7 @@ class OpenAIServer:
     def _keyed(self, handler):
         async def checked(request: Request):
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            # the scheme name is case-insensitive (RFC 9110); compare_digest:
-            # the time it takes says nothing about the key
+            # the scheme is case-insensitive (RFC 9110); compare_digest's timing hides the key
             if self.cfg.api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
                     given.strip().encode(), self.cfg.api_key.encode())):
                 raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
@@ -2181,8 +2168,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         f = parse_fields(await self._read(request), COMPLETION_FIELDS)
         prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
-        # max_tokens 0 (with echo: the prompt's log-probs only) still samples
-        # one token, which the engine core drops
+        # max_tokens 0 (echo: prompt log-probs only) still samples a token; the engine core drops it
         grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
                                        num_top if echo and num_top is not None else None, grammar)
