@@ -1811,7 +1811,7 @@ def _response_format(v, f) -> Optional[dict]:
 
 def _tool_choice(v, f) -> Optional[str]:
     """None (no call forced), "required" (a call of any tool) or the name of the one tool to call.
-    "auto", the default with tools, needs a parser of each model family's own calls: left out."""
+    "auto", the default with tools, needs each model family's free-text call parser: left out."""
     names = [t["function"]["name"] for t in f.get("tools") or []]
     if isinstance(v, dict):
         v = parse_fields(v, _FUNCTION_CHOICE, "tool_choice.")["function"]["name"]
