@@ -279,10 +279,9 @@ class RotaryEmbedding(nn.Module):
 @dataclass
 class AttentionMetadata:
     """Where each sequence of a step lives in the flat batch and the KV pool; ModelRunner.prepare
-    fills it for each step (the Model runner section).
-    block_table: the pool blocks that hold one sequence's KV, in order.
-    slot_mapping: for each new token, the pool slot its K/V is written to (block_id * block_size
-    + offset); -1 marks a padding token."""
+    fills it for each step (the Model runner section). block_table: the pool blocks that hold one
+    sequence's KV, in order. slot_mapping: for each new token, the pool slot its K/V is written
+    to (block_id * block_size + offset); -1 marks a padding token."""
     slot_mapping: torch.Tensor        # (N_tok,) int64
     block_tables: torch.Tensor        # (B, max_blocks) int32
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
@@ -510,8 +509,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
     if batch.max_logprobs is None:
         return tokens, None
-    # Log-probs of the model's own distribution (before the edits, temperature
-    # and top-p), the way the OpenAI API reports them.
+    # The model's own log-probs (before the edits, temperature, top-p), as the OpenAI API reports
     logp = raw.log_softmax(dim=-1)                         # (B, V) fp32
     top = logp.topk(batch.max_logprobs, dim=-1)            # (B, k) values and indices
     return tokens, (logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
@@ -668,11 +666,10 @@ class Scheduler:
         return max(0, total - len(seq.block_table))
 
     def _reserve_blocks(self, seq: Sequence, n: int) -> bool:
-        """Give seq blocks for n more tokens, preempting from the back of the running queue as
-        needed. False if seq itself had to be preempted. A victim is never in the batch being
-        built: schedule walks running from the front and victims come from the back, behind seq
-        (and schedule skips a victim when it reaches it). Admission only reserves blocks it has
-        checked are free, so it never preempts."""
+        """Give seq blocks for n more tokens, preempting from the back of running as needed; False
+        if seq itself was preempted. A victim is never in the batch being built: schedule walks
+        running from the front, victims come from the back, behind seq (and schedule skips one it
+        reaches). Admission only reserves blocks it has checked are free, so it never preempts."""
         needed = self._num_blocks_needed(seq, n)           # 0 while the last block has room
         while needed > self.allocator.num_free_blocks:
             victim = self.running[-1]                      # the most recently admitted
@@ -752,9 +749,8 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On
-# CUDA with the Triton attention, every step replays a CUDA graph captured for
-# its kind and size: one launch for the two hundred kernels that would keep
-# the device waiting.
+# CUDA with the Triton attention, each step replays a CUDA graph captured for
+# its kind and size: one launch for 200 kernels that would keep the GPU waiting.
 
 @dataclass
 class StepInputs:
@@ -805,8 +801,7 @@ class ModelRunner:
         self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
         self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
         self.num_blocks = self.allocate_kv_cache()
-        # The torch attention reads lengths on the host, which a graph cannot
-        # capture: graphs go with the Triton kernels only.
+        # Triton only: the torch attention reads lengths on the host, which no graph can capture.
         if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
             self.capture_cuda_graphs()
 
@@ -885,9 +880,8 @@ class ModelRunner:
                           sample_rows, sample_seqs, self.graphs.get(key))
 
     def _flatten(self, batch: ScheduledBatch):
-        """Every sequence's new tokens one after another, as host lists named for
-        their buffers; the rows that sample (each sequence's last token, once no
-        prompt is left); and the rows whose input is a pending token."""
+        """Each sequence's new tokens in turn as host lists, one per buffer; the rows that sample (a
+        sequence's last token, once no prompt is left); the rows whose input is a pending token."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
         sample_rows, sample_seqs, pending, tables = [], [], [], []   # pending: (row, seq)
@@ -1021,9 +1015,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def sample(self, step: LaunchedStep):
-        """Sample a launched step's rows and start copying the tokens back;
-        called once the step before is read back, while the device still runs
-        this one's forward pass: penalties and grammars see every token so far."""
+        """Sample a launched step's rows and start copying tokens back, once the step before is
+        read back and while this one's forward pass runs: penalties and grammars see every token."""
         if not step.seqs:
             return
         step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs))
@@ -1186,11 +1179,10 @@ class EngineCore:
     # device; _launch adds 1, _commit takes the 1 off and appends it to token_ids (or drops it if
     # the sequence ended meanwhile). A non-final prefill chunk samples nothing: no pending token.
     def step(self) -> list:
-        """Launch the next step, then read back the one launched before it (the previous call's)
-        and return an EngineCoreOutput per sequence that sampled in it; the new step is sampled
-        after that read-back, while its forward pass still runs, so penalties and grammars see
-        every token so far. The first call has nothing to read back and returns []. New requests
-        join the next launch like any other."""
+        """Launch the next step, then read back the previous call's and return an EngineCoreOutput
+        per sequence that sampled in it; the new step is sampled after that read-back, while its
+        forward pass still runs, so penalties and grammars see every token so far. The first call
+        has nothing to read back and returns []. New requests join the next launch."""
         prev, self.launched = self.launched, self._launch(self.launched)
         outputs = self._commit(prev) if prev is not None else []
         if self.launched is not None:
@@ -1250,8 +1242,7 @@ class EngineCore:
         return None
 
     def fail_running(self, error: Exception) -> list:
-        """After a step raised: end every request that was in it with an error
-        and free its blocks; the engine core itself goes on."""
+        """A step raised: its requests end in error, their blocks freed; the engine core goes on."""
         self.launched = None
         failed = [s for s in self.seqs.values() if s.status == "running"]
         for seq in failed:
@@ -1389,8 +1380,7 @@ class FrontEnd:
             raise ValueError(f"{self.cfg.model} has no tokenizer.json: pass token ids")
         if not prompt.isascii() and any(0xD800 <= ord(c) < 0xE000 for c in prompt):
             raise ValueError("the text has a lone surrogate, which is not Unicode text")
-        # encode_batch runs in Rust without the GIL: a long prompt tokenized
-        # in a thread never stalls the server's event loop
+        # encode_batch (Rust) drops the GIL: a long prompt, in a thread, never stalls the event loop
         return self.tokenizer.encode_batch([prompt], add_special_tokens=add_special_tokens)[0].ids
 
     def validate(self, prompt_ids: list, params: SamplingParams):
@@ -1418,9 +1408,8 @@ class FrontEnd:
 
     # -- outputs back --
     def process(self, outputs: list) -> tuple[list, list]:
-        """Apply one or more steps' outputs. Return the requests that changed
-        and the ids of those a stop string ended, which the engine core must
-        abort (it may compute one token past the stop; that one is dropped)."""
+        """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
+        string ended, for the engine core to abort (a token computed past the stop is dropped)."""
         now, changed = time.perf_counter(), {}
         for out in outputs:
             state = self.states.get(out.request_id)
@@ -1591,12 +1580,11 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 
 class EngineCoreClient:
-    """The server's side of the engine core: it starts the process, sends it requests and
-    aborts from the event loop, and receives its outputs on a thread that passes them to the
-    event loop. There each step's outputs go through the FrontEnd, and every request that
-    changed is put on its queue: if the loop falls behind, several steps' tokens arrive at
-    once. It knows no HTTP: a failed request ends with finish_reason "error", and `error` says
-    why the engine core is gone, if it is."""
+    """The server's side of the engine core: it starts the process, sends it requests and aborts
+    from the event loop, and receives its outputs on a thread that passes them to the loop. There
+    each step's outputs go through the FrontEnd, and every changed request is put on its queue: if
+    the loop falls behind, several steps' tokens arrive at once. It knows no HTTP: a failed request
+    ends with finish_reason "error", and `error` says why the engine core is gone, if it is."""
 
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
@@ -1905,8 +1893,7 @@ def _check(value, kind, path: str):
 
 def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                           prompt_logprobs: Optional[int] = None, grammar=None) -> list:
-    """One SamplingParams per choice. With a seed, choice i uses seed + i, so
-    the n choices differ and the request stays reproducible."""
+    """One SamplingParams per choice. Choice i seeds seed + i: n different, reproducible choices."""
     shared = {k: v for k, v in f.items() if k in _SAMPLING_FIELDS}
     seed = f.get("seed")
     return [SamplingParams(**shared, max_tokens=max_tokens, stop=f["stop"], logprobs=logprobs,
@@ -2057,9 +2044,8 @@ class _CompletionShape(_Shape):
         return out
 
 class _ChatShape(_Shape):
-    """The chat shape. A stream opens each choice with the assistant's role,
-    sends content deltas, then an empty delta that carries the finish_reason.
-    A forced tool call is sent whole, at the end, as OpenAI's tool_calls."""
+    """The chat shape: a stream opens each choice with the assistant's role, then content deltas,
+    then an empty one with the finish_reason. A forced tool call goes whole, last, as tool_calls."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, tool_choice=None):
