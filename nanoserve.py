@@ -688,8 +688,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _free_blocks(self, seq: Sequence):
-        # Tail blocks first, so that their (less shared) prefixes are evicted
-        # before the heads that other prompts are likelier to reuse.
+        # Tail blocks first: evicted before the heads, which other prompts are likelier to reuse
         for block in reversed(seq.block_table):
             self.allocator.free(block)
         seq.block_table, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
@@ -700,8 +699,7 @@ class Scheduler:
         if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return                     # (prompt log-probs need every prompt row computed)
         self._hash_full_blocks(seq)
-        # Leave the last token out: it must be computed to produce logits, and
-        # its K/V must never be written into a block that others share.
+        # Leave the last token out: computed for its logits, its K/V must never enter a shared block
         num_reusable = (seq.num_tokens - 1) // self.block_size
         for h in seq.block_hashes[:num_reusable]:
             block = self.allocator.lookup(h)
@@ -1428,8 +1426,7 @@ class FrontEnd:
         self._detokenize([s for s in states if s.incremental and not s.error])
         stopped = []
         for state, num_old in zip(states, num_old_chars):
-            # every token's text is checked, the last one's too: a stop string
-            # completed by the token that reaches max_tokens still ends in "stop"
+            # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
             if not state.error and self._truncate_at_stop_string(state, num_old):
                 if state.finish_reason is None:        # the engine core still runs it
                     stopped.append(state.request_id)
@@ -1997,8 +1994,7 @@ class _Shape:
         return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
 
 def _fold(whole: dict, chunk: dict):
-    """Join a chunk into the whole, key by key: strings and lists are
-    concatenated, objects folded alike, and a value replaces only null."""
+    """Per key: strings and lists concatenate, objects fold alike, a value replaces only null."""
     for key, value in chunk.items():
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
@@ -2236,8 +2232,7 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Lazy: nothing reaches the engine core until the body is iterated, by
-        # Starlette as it streams the response or by collect below.
+        # Lazy: the engine core sees nothing until Starlette streams the body or collect reads it
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
