@@ -141,8 +141,7 @@ class Config:
         self.num_kv_heads = c.get("num_key_value_heads") or self.num_heads
         self.head_dim = c.get("head_dim") or self.hidden_size // self.num_heads
         self.rms_norm_eps = c.get("rms_norm_eps", 1e-5)
-        # transformers >= 5 writes "rope_parameters"; older checkpoints (the hub's
-        # Llama-3.2) write "rope_theta" and "rope_scaling" separately.
+        # transformers >= 5: "rope_parameters"; older (Llama-3.2): "rope_theta" and "rope_scaling"
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         self.rope_theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -594,11 +593,10 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        # The pending token (async scheduling): a token sampled for this sequence that is still
-        # only in device memory, because the next step is launched before this one's tokens are
-        # read back. Schedule counts it as the next input to compute; when schedule runs there is
-        # 0 or 1 of them, and with 1, num_computed_tokens == len(token_ids). Its whole life, step
-        # by step, is told once, with a timeline, above EngineCore.step.
+        # The pending token (async scheduling): a token sampled for this sequence, still only in
+        # device memory, as the next step is launched before this one's tokens are read back.
+        # Schedule counts it as an input to compute; at schedule time there are 0 or 1, and with 1,
+        # num_computed_tokens == len(token_ids). Its whole life: the timeline above EngineCore.step.
         self.num_pending_tokens = 0      # sampled, not yet in token_ids (EngineCore.step)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
@@ -785,8 +783,7 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-        # Every step's inputs go into these buffers, sized for the largest step:
-        # a CUDA graph reads from the addresses it was captured with.
+        # Each step's inputs, sized for the largest: a CUDA graph reads the addresses it captured
         S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
         self.buffers = dict(
             input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
@@ -1530,9 +1527,8 @@ class EngineCoreAbort:
     request_ids: list
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
-    """The engine core process, whose main thread runs this loop: it owns the scheduler, the
-    block allocator, the model runner and the device, and steps whenever work is queued.
-    `setup(core)`, if given, runs once before the loop (tests inject faults)."""
+    """In the engine core process's main thread: owns the scheduler, BlockAllocator, ModelRunner and
+    device; steps while work is queued. `setup(core)` runs first if given (tests inject faults)."""
     for sig in (signal.SIGINT, signal.SIGTERM):   # the server's to handle: it stops us,
         signal.signal(sig, signal.SIG_IGN)         # and if it dies, the pipe tells us
     faulthandler.enable()                          # a crash in native code leaves a trace
@@ -1600,8 +1596,7 @@ class EngineCoreClient:
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
         self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
         self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
-        # Sends go through one worker thread, in order, so that the event loop
-        # never blocks on a full pipe while the engine core is in a step.
+        # One sender thread, in order: the event loop never blocks on a pipe full during a step
         self.sender = ThreadPoolExecutor(max_workers=1)
         # /metrics: latency histograms observed here; the engine core's counters (collect)
         self.metrics = prometheus_client.CollectorRegistry()
@@ -1754,8 +1749,7 @@ def _prompt(v, f) -> list:
     return [v] if one(v) else v
 
 def _messages(v, f) -> list:
-    """Chat messages for the template. Content may be a string, a list of parts, whose text
-    parts are joined (other parts are refused), or null in an assistant turn."""
+    """Message content: a string, text parts (joined; others refused), or null for the assistant."""
     if not (v and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in v)):
         raise ValueError("must be a non-empty list of objects with a string 'role'")
     parsed = []
