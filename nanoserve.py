@@ -508,7 +508,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
     if batch.max_logprobs is None:
         return tokens, None
-    # The model's own log-probs (before the edits, temperature, top-p), as the OpenAI API reports
+    # Log-probs as the OpenAI API reports them: the model's own (before edits, temperature, top-p)
     logp = raw.log_softmax(dim=-1)                         # (B, V) fp32
     top = logp.topk(batch.max_logprobs, dim=-1)            # (B, k) values and indices
     return tokens, (logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
@@ -720,11 +720,10 @@ class Scheduler:
             seq.block_hashes.append(prefix_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def cache_computed_blocks(self, seq: Sequence):
-        """After a step is read back, name the blocks that have just become full. Such a block may
-        still be being written by the step launched after it (num_computed_tokens counts launched
-        tokens); that is safe, because a step that reads it through a prefix-cache hit is launched
-        later on the same CUDA stream, so it runs after the write. Only tokens already read back
-        are hashed: the pending token is not in token_ids."""
+        """After a step is read back, name the blocks just filled. One may still be being written by
+        the step launched after it (num_computed_tokens counts launched ones), which is safe: a step
+        reading it via a prefix-cache hit is launched later on the same CUDA stream, so runs after
+        the write. Only read-back tokens are hashed (the pending one is not in token_ids)."""
         if not self.cfg.enable_prefix_caching:
             return
         self._hash_full_blocks(seq)
@@ -1511,15 +1510,14 @@ class LLM:
 # ---------------------------------------------------------------------------
 # Engine core process
 # Behind the server the engine core runs in its own process's main thread, so
-# that no per-request Python work (JSON, SSE, detokenizing) competes with the
-# step loop for the GIL. Two pipes join it to the server. In: a list of
-# EngineCoreRequests, or an EngineCoreAbort. Out: once, its stats when it is
-# ready (or a string saying why it failed to start), then one EngineCoreOutputs
-# per turn of its loop (empty when the turn ran no step). The server closing
-# its end of the inbox stops it. Both ends are here: run_engine_core (in its
-# process) and EngineCoreClient (in the server's), which hands each step's
-# outputs to the waiting HTTP handlers; what they do with them, read next:
-# OpenAIServer._respond, _Shape.chunks and .stream (the Server section).
+# no per-request Python work (JSON, SSE, detokenizing) competes with the step
+# loop for the GIL. Two pipes join it to the server. In: a list of
+# EngineCoreRequests, or an EngineCoreAbort. Out: once, its stats when ready
+# (or a string: why it failed to start), then one EngineCoreOutputs per turn of
+# its loop (empty if no step ran). The server closing the inbox stops it. Both
+# ends are here: run_engine_core (in its process) and EngineCoreClient (in the
+# server's), which hands each step's outputs to the waiting HTTP handlers (read
+# next: the Server section's OpenAIServer._respond, _Shape.chunks and .stream).
 
 @dataclass
 class EngineCoreAbort:
@@ -1596,7 +1594,7 @@ class EngineCoreClient:
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
         self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
         self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
-        # One sender thread, in order: the event loop never blocks on a pipe full during a step
+        # Sends go via one thread, in order: the event loop never blocks on a pipe full mid-step
         self.sender = ThreadPoolExecutor(max_workers=1)
         # /metrics: latency histograms observed here; the engine core's counters (collect)
         self.metrics = prometheus_client.CollectorRegistry()
