@@ -745,7 +745,7 @@ class Scheduler:
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On
 # CUDA with the Triton attention, each step replays a CUDA graph captured for
-# its kind and size: one launch for 200 kernels that would keep the GPU waiting.
+# its kind and size: one launch for 200 kernels that would leave the GPU idle.
 
 @dataclass
 class StepInputs:
