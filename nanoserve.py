@@ -1,12 +1,11 @@
 """nanoserve: a whole LLM inference engine in one file.
 
-This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big
-engines do, small enough to read in an afternoon: a paged KV cache with a
-block allocator and prefix caching, a continuous-batching scheduler that
-mixes chunked prefills and decodes in one step, batched sampling with
-grammars for structured output, CUDA graphs for every step, and an
-OpenAI-compatible HTTP server with SSE streaming. The paged-attention
-kernels live next door in paged_attention.py.
+This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big engines do,
+small enough to read in an afternoon: a paged KV cache with a block allocator and prefix
+caching, a continuous-batching scheduler that mixes chunked prefills and decodes in one
+step, batched sampling with grammars for structured output, CUDA graphs for every step, and
+an OpenAI-compatible HTTP server with SSE streaming. The paged-attention kernels live next
+door in paged_attention.py.
 
 Left out on purpose: tensor parallelism, quantization, speculative decoding,
 LoRA, beam search, multimodal inputs and every model family but Llama.
@@ -20,15 +19,13 @@ Run it:
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
-Read it top to bottom: config -> loader -> layers -> model -> sampler ->
-block allocator -> scheduler -> model runner -> engine core -> front end ->
-engine core process -> server -> CLI. A request enters at the HTTP handler
-(or LLM.generate), is tokenized by the FrontEnd, and crosses a pipe to the
-engine core process as an EngineCoreRequest. There it becomes a Sequence, is
-scheduled step by step into a flat batch, runs through Model.forward
-(attention reads the paged cache through paged_attention.py) and is sampled;
-each step's token ids cross back as EngineCoreOutputs, and the FrontEnd
-turns them into text for the HTTP stream.
+Read it top to bottom: config -> loader -> layers -> model -> sampler -> block allocator ->
+scheduler -> model runner -> engine core -> front end -> engine core process -> server ->
+CLI. A request enters at the HTTP handler (or LLM.generate), is tokenized by the FrontEnd,
+and crosses a pipe to the engine core process as an EngineCoreRequest. There it becomes a
+Sequence, is scheduled step by step into a flat batch, runs through Model.forward (attention
+reads the paged cache through paged_attention.py) and is sampled; each step's token ids
+cross back as EngineCoreOutputs, and the FrontEnd turns them into text for the HTTP stream.
 """
 
 from __future__ import annotations
@@ -144,8 +141,7 @@ class Config:
         self.num_kv_heads = c.get("num_key_value_heads") or self.num_heads
         self.head_dim = c.get("head_dim") or self.hidden_size // self.num_heads
         self.rms_norm_eps = c.get("rms_norm_eps", 1e-5)
-        # transformers >= 5 writes "rope_parameters"; older checkpoints (the hub's
-        # Llama-3.2) write "rope_theta" and "rope_scaling" separately.
+        # transformers >= 5: "rope_parameters"; older (Llama-3.2): "rope_theta" and "rope_scaling"
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         self.rope_theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -245,9 +241,8 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))  # weight: (D,)
 
     def forward(self, x):                                      # (N_tok, D)
-        """weight * x / sqrt(mean(x^2) + eps), normalized in fp32 (squares of bf16
-        activations would lose bits) and cast back before the weight, as transformers
-        does, so bf16 results round the same way (pa.rms_norm_ref)."""
+        """weight * x / sqrt(mean(x^2) + eps), normalized in fp32 (bf16 squares would lose bits) and
+        cast back before the weight as transformers does, so bf16 rounds alike (pa.rms_norm_ref)."""
         return pa.norm(x, self.weight, self.eps)
 
 def rope_inv_freq(cfg: Config) -> torch.Tensor:
@@ -257,9 +252,8 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     s = cfg.rope_scaling
     if s is None:
         return inv_freq.float()                                # (hd/2,)
-    # Llama 3 stretches long wavelengths by `factor`, keeps short ones, and
-    # blends smoothly between the two bands, so that a model trained on
-    # original_max_position_embeddings tokens extrapolates to longer contexts.
+    # Llama 3 stretches long wavelengths by `factor`, keeps short ones, blends smoothly in between,
+    # so a model trained on original_max_position_embeddings tokens extrapolates to longer contexts.
     old_len, factor = s["original_max_position_embeddings"], s["factor"]
     low, high = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq                       # (hd/2,) tokens per full turn
@@ -270,10 +264,9 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     return torch.where(medium, blended, scaled).float()        # (hd/2,)
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of every position times every channel pair's frequency,
-    precomputed. The rotation itself (pa.rope_ref) is done by the attention's
-    rope_store, which also writes k and v to the KV pool (on the GPU in one
-    Triton kernel, pa.rope_store_kvcache)."""
+    """cos and sin of every position times every channel pair's frequency, precomputed. The
+    rotation itself (pa.rope_ref) is done by the attention's rope_store, which also writes k
+    and v to the KV pool (on the GPU in one Triton kernel, pa.rope_store_kvcache)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -284,13 +277,10 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class AttentionMetadata:
-    """Where each sequence of a step lives in the flat batch and in the KV pool.
-    ModelRunner.prepare fills it for each step (the Model runner section).
-
-    block_table: the pool blocks that hold one sequence's KV, in order.
-    slot_mapping: for each new token, the pool slot its K/V is written to
-    (block_id * block_size + offset); -1 marks a padding token.
-    """
+    """Where each sequence of a step lives in the flat batch and the KV pool; ModelRunner.prepare
+    fills it for each step (the Model runner section). block_table: the pool blocks that hold one
+    sequence's KV, in order. slot_mapping: for each new token, the pool slot its K/V is written
+    to (block_id * block_size + offset); -1 marks a padding token."""
     slot_mapping: torch.Tensor        # (N_tok,) int64
     block_tables: torch.Tensor        # (B, max_blocks) int32
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
@@ -348,10 +338,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rope, meta):               # (N_tok, D)
-        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)).
-        Each sublayer takes its norm and its residual as arguments, so that its first
-        matmul applies the norm and its last adds the residual (pa.linear: at batch 1,
-        inside the one GEMV that reads the weight)."""
+        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)). Each
+        sublayer takes its norm and residual as arguments, so its first matmul applies the norm and
+        its last adds the residual (pa.linear: at batch 1, in the one GEMV reading the weight)."""
         h = self.attn(x, positions, rope, meta, norm=self.input_layernorm, residual=x)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
@@ -452,8 +441,7 @@ class SamplingParams:
 
 @dataclass
 class SamplingBatch:
-    """The per-row settings of one step, as device tensors, plus host-side flags
-    that let the sampler skip work nobody asked for."""
+    """A step's per-row settings as device tensors; host flags let the sampler skip unasked work."""
     temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows; None if all are
     top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off
     top_ps: Optional[torch.Tensor]    # (B,) float
@@ -476,8 +464,7 @@ def apply_logit_edits(logits, edits):                        # (B, V) fp32
     return logits.index_put((rows, ids), x)
 
 def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
-    """-inf for every token that a constrained row's grammar does not allow
-    next: bit j of int32 word i of its bitmask allows token 32 i + j."""
+    """-inf for tokens a row's grammar forbids next: bit j of int32 word i allows token 32 i + j."""
     bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
     allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, -math.inf))
@@ -489,8 +476,7 @@ def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,
     # top-k by position in the sorted row, so exactly k survive even with ties
     cut = torch.arange(V, device=logits.device) < (V - top_ks).unsqueeze(1)
     sorted_logits.masked_fill_(cut, -float("inf"))
-    # top-p: drop a token when it and all smaller ones hold <= 1 - p of the
-    # mass; the largest token always stays.
+    # top-p: drop a token if it and all smaller ones hold <= 1 - p of the mass; the largest stays
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)     # (B, V), ascending mass
     cut = cum <= (1 - top_ps).unsqueeze(1)
     cut[:, -1] = False
@@ -511,11 +497,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         if batch.needs_top_k_top_p:
             scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
         probs = scaled.softmax(dim=-1)                     # (B, V)
-        # Exponential race ("sample without a CUDA sync"): draw E_i ~ Exp(1) per
-        # token; token i wins when E_i / p_i is the smallest, which happens with
-        # probability exactly p_i (the minimum of exponentials with rates p_i).
-        # So argmax(p / E) is a draw from p, and unlike torch.multinomial it needs
-        # no host round trip and takes a per-row generator.
+        # Exponential race ("sample without a CUDA sync"): draw E_i ~ Exp(1) per token; token i
+        # wins when E_i / p_i is the smallest, which happens with probability exactly p_i (the
+        # minimum of exponentials with rates p_i). So argmax(p / E) is a draw from p, and unlike
+        # torch.multinomial it needs no host round trip and takes a per-row generator.
         noise = torch.empty_like(probs).exponential_()
         for row, gen in batch.generators:
             noise[row].exponential_(generator=gen)
@@ -523,8 +508,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
     if batch.max_logprobs is None:
         return tokens, None
-    # Log-probs of the model's own distribution (before the edits, temperature
-    # and top-p), the way the OpenAI API reports them.
+    # Log-probs as the OpenAI API reports them: the model's own (before edits, temperature, top-p)
     logp = raw.log_softmax(dim=-1)                         # (B, V) fp32
     top = logp.topk(batch.max_logprobs, dim=-1)            # (B, k) values and indices
     return tokens, (logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
@@ -598,8 +582,7 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 # blocks are freed and it is recomputed from its tokens later.
 
 class Sequence:
-    """One request as the engine core sees it: token ids (never text), cache
-    blocks and progress."""
+    """One request as the engine core sees it: token ids (never text), cache blocks, progress."""
 
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
@@ -610,12 +593,10 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        # The pending token (async scheduling): a token sampled for this sequence that
-        # is still only in device memory, because the next step is launched before
-        # this one's tokens are read back. Schedule counts it as the next input to
-        # compute; when schedule runs there is 0 or 1 of them, and with 1,
-        # num_computed_tokens == len(token_ids). Its whole life, step by step, is
-        # told once, with a timeline, above EngineCore.step.
+        # The pending token (async scheduling): a token sampled for this sequence, still only in
+        # device memory, as the next step is launched before this one's tokens are read back.
+        # Schedule counts it as an input to compute; at schedule time there are 0 or 1, and with 1,
+        # num_computed_tokens == len(token_ids). Its whole life: the timeline above EngineCore.step.
         self.num_pending_tokens = 0      # sampled, not yet in token_ids (EngineCore.step)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
@@ -672,8 +653,7 @@ class Scheduler:
         return batch
 
     def _ends_when_read(self, seq: Sequence) -> bool:
-        """True if seq's pending token is its last by length, so that no step
-        after it is worth launching."""
+        """True if seq's pending token is its last by length: no later step is worth launching."""
         num_tokens = seq.num_tokens + seq.num_pending_tokens
         return seq.num_pending_tokens > 0 and (
             num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
@@ -684,12 +664,10 @@ class Scheduler:
         return max(0, total - len(seq.block_table))
 
     def _reserve_blocks(self, seq: Sequence, n: int) -> bool:
-        """Give seq blocks for n more tokens, preempting from the back of the
-        running queue as needed. False if seq itself had to be preempted.
-        A victim is never in the batch being built: schedule walks running from
-        the front and victims come from the back, behind seq (and schedule skips a
-        victim when it reaches it). Admission only reserves blocks it has checked
-        are free, so it never preempts."""
+        """Give seq blocks for n more tokens, preempting from the back of running as needed; False
+        if seq itself was preempted. A victim is never in the batch being built: schedule walks
+        running from the front, victims come from the back, behind seq (and schedule skips one it
+        reaches). Admission only reserves blocks it has checked are free, so it never preempts."""
         needed = self._num_blocks_needed(seq, n)           # 0 while the last block has room
         while needed > self.allocator.num_free_blocks:
             victim = self.running[-1]                      # the most recently admitted
@@ -708,8 +686,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _free_blocks(self, seq: Sequence):
-        # Tail blocks first, so that their (less shared) prefixes are evicted
-        # before the heads that other prompts are likelier to reuse.
+        # Tail blocks first: evicted before the heads, which other prompts are likelier to reuse
         for block in reversed(seq.block_table):
             self.allocator.free(block)
         seq.block_table, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
@@ -720,8 +697,7 @@ class Scheduler:
         if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return                     # (prompt log-probs need every prompt row computed)
         self._hash_full_blocks(seq)
-        # Leave the last token out: it must be computed to produce logits, and
-        # its K/V must never be written into a block that others share.
+        # Leave the last token out: computed for its logits, its K/V must never enter a shared block
         num_reusable = (seq.num_tokens - 1) // self.block_size
         for h in seq.block_hashes[:num_reusable]:
             block = self.allocator.lookup(h)
@@ -744,12 +720,10 @@ class Scheduler:
             seq.block_hashes.append(prefix_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
     def cache_computed_blocks(self, seq: Sequence):
-        """After a step is read back, name the blocks that have just become full.
-        Such a block may still be being written by the step launched after it
-        (num_computed_tokens counts launched tokens); that is safe, because a step
-        that reads it through a prefix-cache hit is launched later on the same
-        CUDA stream, so it runs after the write. Only tokens already read back are
-        hashed: the pending token is not in token_ids."""
+        """After a step is read back, name the blocks just filled. One may still be being written by
+        the step launched after it (num_computed_tokens counts launched ones), which is safe: a step
+        reading it via a prefix-cache hit is launched later on the same CUDA stream, so runs after
+        the write. Only read-back tokens are hashed (the pending one is not in token_ids)."""
         if not self.cfg.enable_prefix_caching:
             return
         self._hash_full_blocks(seq)
@@ -770,14 +744,12 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On
-# CUDA with the Triton attention, every step replays a CUDA graph captured for
-# its kind and size: one launch for the two hundred kernels that would keep
-# the device waiting.
+# CUDA with the Triton attention, each step replays a CUDA graph captured for
+# its kind and size: one launch for 200 kernels that would leave the GPU idle.
 
 @dataclass
 class StepInputs:
-    """A scheduled batch flattened into the runner's input buffers (prepare), padded to a graph's
-    size if one replays it."""
+    """A batch flattened into the buffers (prepare), padded to a graph's size if one replays it."""
     input_ids: torch.Tensor           # (N_tok,) int64, pending tokens filled in on the device
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
@@ -810,8 +782,7 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-        # Every step's inputs go into these buffers, sized for the largest step:
-        # a CUDA graph reads from the addresses it was captured with.
+        # Each step's inputs, sized for the largest: a CUDA graph reads the addresses it captured
         S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
         self.buffers = dict(
             input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
@@ -824,8 +795,7 @@ class ModelRunner:
         self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
         self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
         self.num_blocks = self.allocate_kv_cache()
-        # The torch attention reads lengths on the host, which a graph cannot
-        # capture: graphs go with the Triton kernels only.
+        # Triton only: the torch attention reads lengths on the host, which no graph can capture.
         if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
             self.capture_cuda_graphs()
 
@@ -844,9 +814,8 @@ class ModelRunner:
         if cfg.num_blocks:
             num_blocks = cfg.num_blocks
         elif self.use_cuda:
-            # Run the largest possible step once, so the activations' peak is
-            # known; the KV pool gets what is left of the allowed fraction. The
-            # CUDA graphs' shared pool holds the same activations, no more.
+            # Run the largest step once to learn the activations' peak; the KV pool gets the rest
+            # of the allowed fraction. The graphs' shared pool holds the same activations, no more.
             peak = self._profile_peak_bytes()
             total = torch.cuda.get_device_properties(self.device).total_memory
             num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
@@ -888,9 +857,8 @@ class ModelRunner:
         view.copy_(host.pin_memory() if self.use_cuda else host, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
-        """The step's inputs in the static buffers, in three parts: flatten the
-        batch, pad it to the size of the graph that replays it, fill in the pending
-        tokens from prev's samples."""
+        """The step's inputs in the static buffers, in three parts: flatten the batch, pad it to
+        the size of the graph that replays it, fill in the pending tokens from prev's samples."""
         flat, sample_rows, sample_seqs, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = self._graph_key(batch.is_decode, num_tokens)
@@ -906,9 +874,8 @@ class ModelRunner:
                           sample_rows, sample_seqs, self.graphs.get(key))
 
     def _flatten(self, batch: ScheduledBatch):
-        """Every sequence's new tokens one after another, as host lists named for
-        their buffers; the rows that sample (each sequence's last token, once no
-        prompt is left); and the rows whose input is a pending token."""
+        """Each sequence's new tokens in turn as host lists, one per buffer; the rows that sample (a
+        sequence's last token, once no prompt is left); the rows whose input is a pending token."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
         sample_rows, sample_seqs, pending, tables = [], [], [], []   # pending: (row, seq)
@@ -1042,9 +1009,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def sample(self, step: LaunchedStep):
-        """Sample a launched step's rows and start copying the tokens back;
-        called once the step before is read back, while the device still runs
-        this one's forward pass: penalties and grammars see every token so far."""
+        """Sample a launched step's rows and start copying tokens back, once the step before is
+        read back and while this one's forward pass runs: penalties and grammars see every token."""
         if not step.seqs:
             return
         step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs))
@@ -1186,11 +1152,10 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     # -- one step: async scheduling, and the pending token's whole life --
-    # Step N+1 is launched before step N's tokens are read back, so the host's
-    # work (schedule, prepare, launch, read back, end checks) hides behind the
-    # device's. A sequence's input in step N+1 is then the token it sampled in
-    # step N, which exists only in device memory: its pending token. One decoding
-    # sequence through one call of step(), L = len(token_ids) before it:
+    # Step N+1 is launched before step N's tokens are read back, so the host's work (schedule,
+    # prepare, launch, read back, end checks) hides behind the device's. A sequence's input in
+    # step N+1 is then the token it sampled in step N, only in device memory: its pending token.
+    # One decoding sequence through one call of step(), L = len(token_ids) before it:
     #
     #   moment in step()                          len(token_ids)  pending  computed
     #   before: step N launched and sampled             L            1         L
@@ -1199,23 +1164,19 @@ class EngineCore:
     #   _commit(N): token N read back, appended       L + 1          1       L + 1
     #   runner.sample(N+1): token N+1 on the device   L + 1          1       L + 1
     #
-    # The invariant: num_computed_tokens == len(token_ids) + num_pending_tokens - 1
-    # once a sequence's prompt is computed (every token but the newest is
-    # launched), and num_pending_tokens is 0 or 1 except between a _launch and
-    # the _commit of the step before. Who does what with it: Scheduler.schedule
-    # counts it as an input to compute, and _ends_when_read skips a sequence
-    # whose pending token is its last; ModelRunner.prepare leaves a placeholder
-    # in its input row and _put_input_ids copies it there from the step before's
-    # samples, on the device; _launch adds 1, _commit takes the 1 off and appends
-    # it to token_ids (or drops it if the sequence ended meanwhile). A non-final
-    # prefill chunk samples nothing, so it leaves no pending token.
+    # The invariant: num_computed_tokens == len(token_ids) + num_pending_tokens - 1 once a
+    # sequence's prompt is computed (every token but the newest is launched); num_pending_tokens
+    # is 0 or 1 except between a _launch and the _commit of the step before. Who does what with
+    # it: Scheduler.schedule counts it as an input to compute, and _ends_when_read skips a
+    # sequence whose pending token is its last; ModelRunner.prepare leaves a placeholder in its
+    # input row and _put_input_ids copies it there from the step before's samples, on the
+    # device; _launch adds 1, _commit takes the 1 off and appends it to token_ids (or drops it if
+    # the sequence ended meanwhile). A non-final prefill chunk samples nothing: no pending token.
     def step(self) -> list:
-        """Launch the next step, then read back the one launched before it (the
-        previous call's) and return an EngineCoreOutput per sequence that sampled in
-        it; the new step is sampled after that read-back, while its forward pass
-        still runs, so penalties and grammars see every token so far. The first
-        call has nothing to read back and returns []. New requests join the next
-        launch like any other."""
+        """Launch the next step, then read back the previous call's and return an EngineCoreOutput
+        per sequence that sampled in it; the new step is sampled after that read-back, while its
+        forward pass still runs, so penalties and grammars see every token so far. The first call
+        has nothing to read back and returns []. New requests join the next launch."""
         prev, self.launched = self.launched, self._launch(self.launched)
         outputs = self._commit(prev) if prev is not None else []
         if self.launched is not None:
@@ -1234,8 +1195,7 @@ class EngineCore:
         return step
 
     def _commit(self, step: LaunchedStep) -> list:
-        """Read a launched step's tokens back (the one host-device sync of a
-        step) and hand each to its sequence."""
+        """Read a step's tokens back (its one host-device sync) and hand each to its sequence."""
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
@@ -1276,8 +1236,7 @@ class EngineCore:
         return None
 
     def fail_running(self, error: Exception) -> list:
-        """After a step raised: end every request that was in it with an error
-        and free its blocks; the engine core itself goes on."""
+        """A step raised: its requests end in error, their blocks freed; the engine core goes on."""
         self.launched = None
         failed = [s for s in self.seqs.values() if s.status == "running"]
         for seq in failed:
@@ -1337,8 +1296,7 @@ class RequestState:
         self.incremental = incremental or bool(params.stop)  # text per step, not at the end
         self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
-        # the detokenizer's window, as indices into token_ids (not slices,
-        # which would copy the whole completion every step)
+        # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
         self.prefix_offset = self.read_offset = 0         # [prefix, read): shown, kept as context
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
@@ -1360,10 +1318,9 @@ def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
 
 class ChatTemplate:
-    """The model's own chat template (tokenizer_config.json), rendered the way
-    transformers renders it. The template is code shipped with the checkpoint,
-    so it runs in jinja2's sandbox; blocks are trimmed, and the helpers that
-    templates call (raise_exception, strftime_now) exist."""
+    """The model's own chat template (tokenizer_config.json), rendered as transformers renders it.
+    The template is code shipped with the checkpoint, so it runs in jinja2's sandbox; blocks are
+    trimmed, and the helpers that templates call (raise_exception, strftime_now) exist."""
 
     def __init__(self, tokenizer_config: dict):
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -1417,8 +1374,7 @@ class FrontEnd:
             raise ValueError(f"{self.cfg.model} has no tokenizer.json: pass token ids")
         if not prompt.isascii() and any(0xD800 <= ord(c) < 0xE000 for c in prompt):
             raise ValueError("the text has a lone surrogate, which is not Unicode text")
-        # encode_batch runs in Rust without the GIL: a long prompt tokenized
-        # in a thread never stalls the server's event loop
+        # encode_batch (Rust) drops the GIL: a long prompt, in a thread, never stalls the event loop
         return self.tokenizer.encode_batch([prompt], add_special_tokens=add_special_tokens)[0].ids
 
     def validate(self, prompt_ids: list, params: SamplingParams):
@@ -1446,9 +1402,8 @@ class FrontEnd:
 
     # -- outputs back --
     def process(self, outputs: list) -> tuple[list, list]:
-        """Apply one or more steps' outputs. Return the requests that changed
-        and the ids of those a stop string ended, which the engine core must
-        abort (it may compute one token past the stop; that one is dropped)."""
+        """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
+        string ended, for the engine core to abort (a token computed past the stop is dropped)."""
         now, changed = time.perf_counter(), {}
         for out in outputs:
             state = self.states.get(out.request_id)
@@ -1467,8 +1422,7 @@ class FrontEnd:
         self._detokenize([s for s in states if s.incremental and not s.error])
         stopped = []
         for state, num_old in zip(states, num_old_chars):
-            # every token's text is checked, the last one's too: a stop string
-            # completed by the token that reaches max_tokens still ends in "stop"
+            # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
             if not state.error and self._truncate_at_stop_string(state, num_old):
                 if state.finish_reason is None:        # the engine core still runs it
                     stopped.append(state.request_id)
@@ -1484,10 +1438,9 @@ class FrontEnd:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _detokenize(self, states: list):
-        """Append each request's newly completed text. A window of a few tokens
-        is decoded twice (before and after the new tokens), all requests in
-        one batched call; text is only added once it no longer ends in U+FFFD,
-        so a multi-byte character split over tokens is never sent half-made."""
+        """Append each request's newly completed text. A window of a few tokens is decoded twice
+        (before and after the new tokens), all requests in one batched call; text is added once it
+        no longer ends in U+FFFD, so a multi-byte character split over tokens is never half-sent."""
         if self.tokenizer is None or not states:
             return
         windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
@@ -1556,17 +1509,15 @@ class LLM:
 
 # ---------------------------------------------------------------------------
 # Engine core process
-# Behind the server the engine core runs in a process of its own, in that
-# process's main thread, so that no per-request Python work (JSON, SSE,
-# detokenizing) competes with the step loop for the GIL. Two pipes join it to
-# the server. In: a list of EngineCoreRequests, or an EngineCoreAbort. Out:
-# once, the engine core's stats when it is ready (or a string saying why it
-# failed to start), then one EngineCoreOutputs per turn of its loop (empty
-# when the turn ran no step). The server closing its end of the inbox stops
-# the engine core. Both ends are here: the engine core's loop (run_engine_core,
-# in its process) and EngineCoreClient (in the server's), which hands each
-# step's outputs to the waiting HTTP handlers; what they do with them, read
-# next: OpenAIServer._respond and _Shape.chunks and .stream (the Server section).
+# Behind the server the engine core runs in its own process's main thread, so
+# no per-request Python work (JSON, SSE, detokenizing) competes with the step
+# loop for the GIL. Two pipes join it to the server. In: a list of
+# EngineCoreRequests, or an EngineCoreAbort. Out: once, its stats when ready
+# (or a string: why it failed to start), then one EngineCoreOutputs per turn of
+# its loop (empty if no step ran). The server closing the inbox stops it. Both
+# ends are here: run_engine_core (in its process) and EngineCoreClient (in the
+# server's), which hands each step's outputs to the waiting HTTP handlers (read
+# next: the Server section's OpenAIServer._respond, _Shape.chunks and .stream).
 
 @dataclass
 class EngineCoreAbort:
@@ -1574,9 +1525,8 @@ class EngineCoreAbort:
     request_ids: list
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
-    """The engine core process, whose main thread runs this loop: it owns the scheduler, the
-    block allocator, the model runner and the device, and steps whenever work is queued.
-    `setup(core)`, if given, runs once before the loop (tests inject faults)."""
+    """In the engine core process's main thread: owns the scheduler, BlockAllocator, ModelRunner and
+    device; steps while work is queued. `setup(core)` runs first if given (tests inject faults)."""
     for sig in (signal.SIGINT, signal.SIGTERM):   # the server's to handle: it stops us,
         signal.signal(sig, signal.SIG_IGN)         # and if it dies, the pipe tells us
     faulthandler.enable()                          # a crash in native code leaves a trace
@@ -1621,12 +1571,11 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 
 class EngineCoreClient:
-    """The server's side of the engine core: it starts the process, sends it requests and
-    aborts from the event loop, and receives its outputs on a thread that passes them to the
-    event loop. There each step's outputs go through the FrontEnd, and every request that
-    changed is put on its queue: if the loop falls behind, several steps' tokens arrive at
-    once. It knows no HTTP: a failed request ends with finish_reason "error", and `error` says
-    why the engine core is gone, if it is."""
+    """The server's side of the engine core: it starts the process, sends it requests and aborts
+    from the event loop, and receives its outputs on a thread that passes them to the loop. There
+    each step's outputs go through the FrontEnd, and every changed request is put on its queue: if
+    the loop falls behind, several steps' tokens arrive at once. It knows no HTTP: a failed request
+    ends with finish_reason "error", and `error` says why the engine core is gone, if it is."""
 
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
@@ -1645,8 +1594,7 @@ class EngineCoreClient:
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
         self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
         self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
-        # Sends go through one worker thread, in order, so that the event loop
-        # never blocks on a full pipe while the engine core is in a step.
+        # Sends go via one thread, in order: the event loop never blocks on a pipe full mid-step
         self.sender = ThreadPoolExecutor(max_workers=1)
         # /metrics: latency histograms observed here; the engine core's counters (collect)
         self.metrics = prometheus_client.CollectorRegistry()
@@ -1709,8 +1657,7 @@ class EngineCoreClient:
                 self.loop.call_soon_threadsafe(self._engine_died)
 
     def _deliver(self, messages: list):
-        """On the event loop: steps' outputs through the FrontEnd, out to the
-        requests' queues."""
+        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
         self.stats = messages[-1].stats
         states, stopped = self.front.process([o for m in messages for o in m.outputs])
         self._abort(stopped)
@@ -1724,8 +1671,7 @@ class EngineCoreClient:
                 queue.put_nowait(state)
 
     def _observe(self, state: RequestState, now: float):
-        """Time to first token, and a gap per token after it (0 for tokens
-        that arrive together, as the client sees them)."""
+        """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
         num_new = len(state.token_ids) - state.num_timed_tokens
         if num_new:
             first = state.last_token_time is None
@@ -1775,10 +1721,9 @@ class APIError(Exception):
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
 
-# -- request parsing: each endpoint has one table of the fields it takes. A
-# field is checked the same way everywhere: its JSON type, then its own rule
-# if it has one (rules also fill in defaults); any failure is a 400 that
-# names the field --
+# -- request parsing: each endpoint has one table of the fields it takes. A field is checked
+# the same way everywhere: its JSON type, then its own rule if it has one (rules also fill in
+# defaults); any failure is a 400 that names the field --
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
@@ -1802,8 +1747,7 @@ def _prompt(v, f) -> list:
     return [v] if one(v) else v
 
 def _messages(v, f) -> list:
-    """Chat messages for the template. Content may be a string, a list of parts, whose text
-    parts are joined (other parts are refused), or null in an assistant turn."""
+    """Message content: a string, text parts (joined; others refused), or null for the assistant."""
     if not (v and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in v)):
         raise ValueError("must be a non-empty list of objects with a string 'role'")
     parsed = []
@@ -1843,9 +1787,8 @@ def _response_format(v, f) -> Optional[dict]:
     return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
 
 def _tool_choice(v, f) -> Optional[str]:
-    """None (no call is forced), "required" (a call of any tool) or the name
-    of the one tool to call. "auto", the default with tools, needs a parser
-    of each model family's calls in free text: left out."""
+    """None (no call forced), "required" (a call of any tool) or the name of the one tool to call.
+    "auto", the default with tools, needs each model family's free-text call parser: left out."""
     names = [t["function"]["name"] for t in f.get("tools") or []]
     if isinstance(v, dict):
         v = parse_fields(v, _FUNCTION_CHOICE, "tool_choice.")["function"]["name"]
@@ -1939,8 +1882,7 @@ def _check(value, kind, path: str):
 
 def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                           prompt_logprobs: Optional[int] = None, grammar=None) -> list:
-    """One SamplingParams per choice. With a seed, choice i uses seed + i, so
-    the n choices differ and the request stays reproducible."""
+    """One SamplingParams per choice. Choice i seeds seed + i: n different, reproducible choices."""
     shared = {k: v for k, v in f.items() if k in _SAMPLING_FIELDS}
     seed = f.get("seed")
     return [SamplingParams(**shared, max_tokens=max_tokens, stop=f["stop"], logprobs=logprobs,
@@ -2044,8 +1986,7 @@ class _Shape:
         return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
 
 def _fold(whole: dict, chunk: dict):
-    """Join a chunk into the whole, key by key: strings and lists are
-    concatenated, objects folded alike, and a value replaces only null."""
+    """Per key: strings and lists concatenate, objects fold alike, a value replaces only null."""
     for key, value in chunk.items():
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
@@ -2056,9 +1997,8 @@ def _fold(whole: dict, chunk: dict):
             whole[key] = value
 
 class _CompletionShape(_Shape):
-    """The legacy completions shape. `echo` puts each prompt in front of its
-    choices' text, and with `logprobs` its tokens' log-probs in front of theirs
-    (null for the first token, which nothing predicts)."""
+    """The legacy completions shape: `echo` puts each prompt before its choices' text and, with
+    `logprobs`, its tokens' log-probs before theirs (null for the first, which nothing predicts)."""
     id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
     def __init__(self, server, prompts: list, prompt_ids: list, num_top_logprobs, echo: bool,
@@ -2092,9 +2032,8 @@ class _CompletionShape(_Shape):
         return out
 
 class _ChatShape(_Shape):
-    """The chat shape. A stream opens each choice with the assistant's role,
-    sends content deltas, then an empty delta that carries the finish_reason.
-    A forced tool call is sent whole, at the end, as OpenAI's tool_calls."""
+    """The chat shape: a stream opens each choice with the assistant's role, then content deltas,
+    then an empty one with the finish_reason. A forced tool call goes whole, last, as tool_calls."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, tool_choice=None):
@@ -2171,8 +2110,7 @@ class OpenAIServer:
     def _keyed(self, handler):
         async def checked(request: Request):
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            # the scheme name is case-insensitive (RFC 9110); compare_digest:
-            # the time it takes says nothing about the key
+            # the scheme is case-insensitive (RFC 9110); compare_digest's timing hides the key
             if self.cfg.api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
                     given.strip().encode(), self.cfg.api_key.encode())):
                 raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
@@ -2204,8 +2142,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         f = parse_fields(await self._read(request), COMPLETION_FIELDS)
         prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
-        # max_tokens 0 (with echo: the prompt's log-probs only) still samples
-        # one token, which the engine core drops
+        # max_tokens 0 (echo: prompt log-probs only) still samples a token; the engine core drops it
         grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
                                        num_top if echo and num_top is not None else None, grammar)
@@ -2287,8 +2224,7 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Lazy: nothing reaches the engine core until the body is iterated, by
-        # Starlette as it streams the response or by collect below.
+        # Lazy: the engine core sees nothing until Starlette streams the body or collect reads it
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
