@@ -65,7 +65,6 @@ import paged_attention as pa
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-Instruct")
 
-
 # ---------------------------------------------------------------------------
 # Config
 # One dataclass holds every setting. The engine settings come from the caller
@@ -172,7 +171,6 @@ class Config:
 
     torch_dtype = property(lambda self: getattr(torch, self.dtype))
 
-
 # ---------------------------------------------------------------------------
 # Loader
 # Checkpoints use Hugging Face names. The engine's names are the same without
@@ -185,7 +183,8 @@ def engine_name(key: str, cfg: Config) -> tuple[str, slice]:
     i = cfg.intermediate_size                                  # I
     fused = {"q_proj": ("qkv_proj", slice(0, q)), "k_proj": ("qkv_proj", slice(q, q + kv)),
              "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
-             "gate_proj": ("gate_up_proj", slice(0, i)), "up_proj": ("gate_up_proj", slice(i, 2 * i))}
+             "gate_proj": ("gate_up_proj", slice(0, i)),
+             "up_proj": ("gate_up_proj", slice(i, 2 * i))}
     *module, proj, kind = key.removeprefix("model.").replace("self_attn.", "attn.").split(".")
     if proj in fused:                # layers.3.attn.k_proj.weight -> layers.3.attn.qkv_proj.weight
         return ".".join([*module, fused[proj][0], kind]), fused[proj][1]
@@ -225,7 +224,6 @@ def load_weights(model: nn.Module, cfg: Config):
     missing = [n for n, p in params.items() if num_rows_loaded[n] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint is missing {missing[:3]}{'...' if len(missing) > 3 else ''}")
-
 
 # ---------------------------------------------------------------------------
 # Layers
@@ -278,9 +276,10 @@ class RotaryEmbedding(nn.Module):
 @dataclass
 class AttentionMetadata:
     """Where each sequence of a step lives in the flat batch and the KV pool; ModelRunner.prepare
-    fills it for each step (the Model runner section). block_table: the pool blocks that hold one
-    sequence's KV, in order. slot_mapping: for each new token, the pool slot its K/V is written
-    to (block_id * block_size + offset); -1 marks a padding token."""
+    fills it for each step (the Model runner section).
+    block_table: the pool blocks that hold one sequence's KV, in order.
+    slot_mapping: for each new token, the pool slot its K/V is written to (block_id * block_size
+    + offset); -1 marks a padding token."""
     slot_mapping: torch.Tensor        # (N_tok,) int64
     block_tables: torch.Tensor        # (B, max_blocks) int32
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
@@ -344,7 +343,6 @@ class DecoderLayer(nn.Module):
         h = self.attn(x, positions, rope, meta, norm=self.input_layernorm, residual=x)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
-
 # ---------------------------------------------------------------------------
 # Model
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the
@@ -381,7 +379,6 @@ def build_model(cfg: Config) -> Model:
     model.rope = RotaryEmbedding(cfg).to(cfg.device)           # buffers were meta; recompute
     load_weights(model, cfg)
     return model.eval()
-
 
 # ---------------------------------------------------------------------------
 # Sampler
@@ -513,7 +510,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     top = logp.topk(batch.max_logprobs, dim=-1)            # (B, k) values and indices
     return tokens, (logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
 
-
 # ---------------------------------------------------------------------------
 # Block allocator
 # The KV pool is cut into blocks of block_size tokens. A block is shared by
@@ -571,7 +567,6 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
     """Name a full block by its tokens and, through the parent's hash, everything
     before it. Python's tuple hash of ints is deterministic across runs."""
     return hash((parent, tuple(token_ids)))
-
 
 # ---------------------------------------------------------------------------
 # Scheduler
@@ -740,7 +735,6 @@ class Scheduler:
         self._free_blocks(seq)
         seq.status, seq.finish_reason = "finished", reason
 
-
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On
@@ -773,13 +767,8 @@ class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.use_cuda = self.device.type == "cuda"
-        if self.device.type == "cpu":
-            # One thread per core the engine may use: torch counts physical cores, not the CPUs
-            # a container or taskset grants, and extra threads only contend. Set here, where
-            # the step loop runs, not in the server. (macOS has no affinity mask.)
-            affinity = getattr(os, "sched_getaffinity", None)
-            cpus = len(affinity(0)) if affinity else os.cpu_count()
-            torch.set_num_threads(cfg.num_threads or min(torch.get_num_threads(), cpus))
+        if self.device.type == "cpu":    # here, where the step loop runs, not in the server
+            pa.set_cpu_threads(cfg.num_threads)
         self.model = build_model(cfg)
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         # Each step's inputs, sized for the largest: a CUDA graph reads the addresses it captured
@@ -862,7 +851,7 @@ class ModelRunner:
         flat, sample_rows, sample_seqs, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = self._graph_key(batch.is_decode, num_tokens)
-        N, S, width = self._pad(flat, key, len(batch.seqs))   # what the kernels see
+        N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
         for name, values in flat.items():
             self._put(self.buffers[name], values)
         self._put_input_ids(batch, input_ids, pending, prev)
@@ -899,10 +888,9 @@ class ModelRunner:
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
         return flat, sample_rows, sample_seqs, pending
 
-    def _pad(self, flat: dict, key: Optional[tuple], num_seqs: int) -> tuple:
-        """Pad the flat batch to its graph's N rows and S sequences, and give the table
-        width the kernels see (no padding without a graph).
-        The padding contract, each padded value and why the kernels ignore it:
+    def _pad(self, flat: dict, key: Optional[tuple], num_tokens: int, num_seqs: int) -> tuple:
+        """Pad to the graph's N rows and S sequences; return them and the table width the kernels
+        see (none padded without a graph). The contract: each padded value, and why it is harmless:
           slot_mapping  -1 for rows past the real tokens: rope_store writes no slot
           context_lens  0 for sequences past the real ones: attention reads no key
           cu_seqlens_q  the real token count for them: they own no query rows
@@ -910,7 +898,6 @@ class ModelRunner:
                         and never read (the kernels stop at its context_len)
           input_ids, positions   stale in padding rows: computed, never stored, and
                         their outputs are dropped (hidden[:num_tokens] in launch)"""
-        num_tokens = len(flat["positions"])
         if key is None:
             return num_tokens, num_seqs, flat["block_tables"].shape[1]
         N = key[1]
@@ -1077,7 +1064,6 @@ class ModelRunner:
         _progress(f"captured {len(keys)} CUDA graphs", end=True)
         torch.cuda.empty_cache()               # the warm-ups' memory: graphs use their pool
 
-
 # ---------------------------------------------------------------------------
 # Engine core
 # The step loop: schedule, launch, read back, and hand each sampled token to
@@ -1105,7 +1091,7 @@ class EngineCoreOutput:
 
 @dataclass
 class EngineCoreOutputs:
-    """Everything one step sends back to the front end."""
+    """What one turn of the engine core's loop sends back: a step's outputs, or none."""
     outputs: list                     # EngineCoreOutput, one per sequence that sampled
     stats: dict                       # EngineCore.stats() after the step (for /metrics)
 
@@ -1255,7 +1241,6 @@ class EngineCore:
                     prefix_cache_hit_tokens_total=s.num_cached_tokens,
                     prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
                     preemptions_total=s.num_preemptions)
-
 
 # ---------------------------------------------------------------------------
 # Requests in, text out
@@ -1506,7 +1491,6 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-
 # ---------------------------------------------------------------------------
 # Engine core process
 # Behind the server the engine core runs in its own process's main thread, so
@@ -1701,7 +1685,6 @@ class EngineCoreClient:
             state.finish_reason, state.error = "error", self.error
             queue.put_nowait(state)
         self.queues.clear()
-
 
 # ---------------------------------------------------------------------------
 # Server
@@ -2268,15 +2251,11 @@ def serve(cfg: Config):
     finally:
         client.shutdown()
 
-
 # ---------------------------------------------------------------------------
 # CLI
 # `generate` streams one completion to the terminal; `serve` starts the HTTP
 # server. Flags are generated from the Config and SamplingParams fields, so
 # a new setting needs no parser code.
-
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "Optional[int]": int,
-               "Optional[str]": str, "Optional[list]": str}
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
     for f in dataclasses.fields(cls):
@@ -2289,8 +2268,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
                                 help=("do not " if f.default else "") + f.metadata["help"])
         elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
             parser.add_argument(name, dest=f.name, action="append", help=f.metadata["help"])
-        else:
-            parser.add_argument(name, dest=f.name, type=_FLAG_TYPES[f.type], default=f.default,
+        else:                            # int, float or str, Optional or not
+            kind = float if "float" in f.type else int if "int" in f.type else str
+            parser.add_argument(name, dest=f.name, type=kind, default=f.default,
                                 help=f.metadata["help"])
 
 def from_flags(cls, args: argparse.Namespace):

@@ -1077,6 +1077,15 @@ def _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged):
     return [_gather_tokens(c, slots).transpose(1, 2) for c in (k_cache, v_cache)]
 
 
+def set_cpu_threads(num_threads=0):
+    """torch's threads for the engine on the CPU: num_threads, or one per core the engine may
+    use. torch counts physical cores, not the CPUs a container or taskset grants, and extra
+    threads only contend. (macOS has no affinity mask.)"""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity else os.cpu_count()
+    torch.set_num_threads(num_threads or min(torch.get_num_threads(), cpus))
+
+
 def store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping):
     """store_kvcache_ref without the padding mask: a CPU step has no padding
     tokens (no CUDA graphs), and index_copy_ rejects a -1 slot."""
