@@ -800,6 +800,23 @@ def test_decode_many_splits(device, dtype):
     compare(out, ref, dtype, f"decode {num_splits} splits")
 
 
+@DEVICE_DTYPES
+def test_decode_last_split_merges(device, dtype):
+    """Sequences with all splits active, two, and none (a padding row) in one
+    launch: the last split of each to finish merges them, and leaves its
+    arrival count at 0 for the next launch (run twice, other draws)."""
+    n_heads, n_kv, hd, bs = 4, 1, 64, 16
+    context_lens = [1000, 130, 0]
+    num_splits = pa._decode_num_splits(3, n_kv, -(-(63 + 1) * bs // pa.DECODE_BLOCK_N),
+                                       torch.device(device))
+    assert num_splits >= 8, "the longest context must spread over every split"
+    for seed in (0, 1):
+        out, ref = run_decode(context_lens, n_heads, n_kv, hd, bs, device, dtype, seed=seed)
+        assert (out[2] == 0).all(), "a context_len 0 row must come out as zeros"
+        compare(out, ref, dtype, f"decode {num_splits} splits, merged by the last")
+        assert (pa._split_k_counts(out.device) == 0).all(), "arrival counts not reset"
+
+
 # ----------------------------------------------------------------------------
 # prefill
 
