@@ -376,20 +376,25 @@ def _decode_kernel(
     kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
-    _wait_for_inputs(PDL)  # q comes from the kernel before
-    L = tl.load(context_lens_ptr + b)
-    # -- this split's run of tiles; 1 active split for an empty (padding) row --
-    num_tiles = tl.cdiv(L, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
-    num_active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
-    if split >= num_active:  # past the end of a short context: nothing to read
-        return
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
+    # -- this split's run of tiles; 1 active split for an empty (padding) row --
+    # The length and the block table are the step's inputs, not an earlier
+    # kernel's output: with PDL, they and the first tile's place in the pool
+    # are read before the wait (a tile past the end reads no table entry).
+    L = tl.load(context_lens_ptr + b)
+    num_tiles = tl.cdiv(L, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
+    num_active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    offs_tok = tile_lo * BLOCK_N + offs_n  # (BLOCK_N,) positions in the sequence
+    offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, offs_tok < L, kv_head,
+                                stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+    _wait_for_inputs(PDL)  # q, and the new token's K/V in the pool, come from the kernels before
+    if split >= num_active:  # past the end of a short context: nothing to read
+        return
     heads = kv_head * G + offs_g  # (G_PAD,) query heads of this group
     mask_g = offs_g < G
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -399,11 +404,7 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
     for tile in range(tile_lo, tile_hi):
-        # -- find the tile's tokens in the pool --
-        offs_tok = tile * BLOCK_N + offs_n  # (BLOCK_N,) positions in the sequence
-        mask_n = offs_tok < L
-        offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
-                                    stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+        mask_n = tile * BLOCK_N + offs_n < L  # offs_kv holds this tile's place in the pool
         # -- scores --
         k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (G_PAD, BLOCK_N)
@@ -411,6 +412,11 @@ def _decode_kernel(
         # -- online softmax, accumulate p v --
         v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        # -- the next tile's place in the pool, asked for before it is needed --
+        offs_tok = (tile + 1) * BLOCK_N + offs_n
+        offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok,
+                                    offs_tok < tl.minimum(L, tile_hi * BLOCK_N), kv_head,
+                                    stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
 
     # An empty row (L == 0) leaves l_i == 0 and acc == 0: its output is 0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (G_PAD, HEAD_DIM)
@@ -773,6 +779,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,   # input features per loop step
     SPLIT_K: tl.constexpr,   # programs sharing one tile's K
     NORM: tl.constexpr,      # x -> norm_w * RMSNorm(x)
+    NORM_BLOCK: tl.constexpr,  # columns of x per step of the norm's first pass
     SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
     RESIDUAL: tl.constexpr,  # out = residual + x W^T
     PDL: tl.constexpr,       # launched with programmatic dependent launch (USE_PDL)
@@ -824,9 +831,12 @@ def _gemv_kernel(
     _wait_for_inputs(PDL)
 
     if NORM:  # -- first pass: 1 / rms of the whole row, whatever the split --
-        sum_sq = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+        # NORM_BLOCK columns a step, the whole row at once for K <= 4096: each
+        # step is a round trip to L2 that every program waits for.
+        offs_r = tl.arange(0, NORM_BLOCK)
+        sum_sq = tl.zeros([NORM_BLOCK], tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            xk = tl.load(x_row + k0 + offs_r, mask=k0 + offs_r < K, other=0.0).to(tl.float32)
             sum_sq += xk * xk
         rstd = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
 
@@ -880,19 +890,21 @@ def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K), from a sweep on an H200 (bf16, one
+# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps), from a sweep on an H200 (bf16, one
 # row, Llama-3.2-1B shapes each with its own prologue and epilogue, timed in
 # CUDA graphs over weights that do not fit in L2): per call, qkv 6.1 us, o 4.9,
 # gate_up 20.4, down 12.5 and the LM head 126 (cuBLAS: 6.4, 6.1, 18.5, 14.1,
 # 126, before any norm, activation or add).
 def _gemv_config(N, K):
     if N > 65536:       # the LM head
-        return 16, 128, 1
+        return 16, 128, 1, 4
     if K > 4096:        # down: 2048 outputs are too few tiles to fill the GPU alone
-        return 8, 256, 4
+        return 8, 256, 4, 4
     if N > 8192:        # gate_up
-        return 16, 256, 1
-    return 8, 512, 1    # qkv, o
+        return 16, 256, 1, 4
+    if N > K:           # qkv
+        return 8, 512, 1, 4
+    return 8, 512, 1, 4  # o
 
 
 def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None):
@@ -908,7 +920,7 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         assert residual.shape == out.shape and residual.dtype == x.dtype and residual.stride(1) == 1
     if M == 0:
         return out
-    BLOCK_N, BLOCK_K, SPLIT_K = _gemv_config(N, K)
+    BLOCK_N, BLOCK_K, SPLIT_K, num_warps = _gemv_config(N, K)
     BLOCK_K = min(BLOCK_K, max(16, triton.next_power_of_2(K)))
     SPLIT_K = min(SPLIT_K, triton.cdiv(K, BLOCK_K))
     grid = (M, triton.cdiv(N, BLOCK_N), SPLIT_K)
@@ -922,7 +934,8 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         N, K, eps, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(0) if residual is None else residual.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, NORM=norm_weight is not None,
-        SILU_MUL=silu_mul, RESIDUAL=residual is not None, PDL=USE_PDL, num_warps=4,
+        NORM_BLOCK=min(4096, max(16, triton.next_power_of_2(K))),
+        SILU_MUL=silu_mul, RESIDUAL=residual is not None, PDL=USE_PDL, num_warps=num_warps,
         **PDL_LAUNCH,
     )
     return out
@@ -974,11 +987,14 @@ def _rope_store_kvcache_kernel(
     Memory traffic: q read and written, k and v read and written once."""
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0)
-    _wait_for_inputs(PDL)  # q, k and v come from the kernel before
+    # The position, its cos and sin, and the slot are the step's inputs, not an
+    # earlier kernel's output: with PDL they are read before the wait.
     pos = tl.load(positions_ptr + t)
+    slot = tl.load(slot_mapping_ptr + t)  # int64: slot * n_kv * hd can pass 2**31
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * HALF + offs_d)[None, :]  # (1, HALF)
     sin = tl.load(sin_ptr + pos * HALF + offs_d)[None, :]
+    _wait_for_inputs(PDL)  # q, k and v come from the kernel before
     dtype = q_ptr.dtype.element_ty
     # -- q, in place --
     offs_h = tl.arange(0, N_HEADS_PAD)
@@ -988,7 +1004,6 @@ def _rope_store_kvcache_kernel(
     tl.store(q_ptr + offs_q, q1.to(dtype), mask=mask)
     tl.store(q_ptr + offs_q + HALF, q2.to(dtype), mask=mask)
     # -- k rotated and v copied into the pool --
-    slot = tl.load(slot_mapping_ptr + t)  # int64: slot * n_kv * hd can pass 2**31
     if slot < 0:  # padding token: its slot belongs to nobody
         return
     offs_h = tl.arange(0, N_KV_PAD)

@@ -897,7 +897,7 @@ def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K, split_k, monkeyp
     not multiples of the tiles exercise the masks; split_k 4 over K = 160 in
     32-column steps leaves the last split empty. Run twice: the split-K
     counts must be back at 0 after each launch."""
-    monkeypatch.setattr(pa, "_gemv_config", lambda N, K: (16, 32, split_k))
+    monkeypatch.setattr(pa, "_gemv_config", lambda N, K: (16, 32, split_k, 4))
     gen = torch.Generator().manual_seed(M * N + K)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     x, w = rand(M, 2 * K if silu_mul else K), rand(N, K) / K ** 0.5
