@@ -228,13 +228,14 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 # Programmatic dependent launch (PDL, Hopper and newer): a kernel launched
 # with it may start while the kernel before it is still finishing, and waits
 # for that kernel's results (gdc_wait) only where it reads them; until then it
-# can load what does not depend on them, such as a matmul's weights. The
-# kernels of a decode step use it (the GEMV, RoPE-store and decode), each
-# waiting before its first read of an earlier kernel's output and before any
-# early return, so that every kernel's completion still implies its
-# predecessors'. At batch 1 a layer is a chain of short kernels, and each
-# launch boundary without PDL leaves the memory bus idle for a few
-# microseconds. Not in Triton's interpreter.
+# can load what does not depend on them: weights, and the step's inputs
+# (positions, slots, context lengths, the block table), which are copied in
+# before the step's first kernel. The kernels of a decode step use it (the
+# GEMV, RoPE-store and decode), each waiting before its first read of an
+# earlier kernel's output and before any early return, so that every
+# kernel's completion still implies its predecessors'. At batch 1 a layer is
+# a chain of short kernels, and each launch boundary without PDL leaves the
+# memory bus idle for a few microseconds. Not in Triton's interpreter.
 USE_PDL = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
            and os.environ.get("TRITON_INTERPRET") != "1")
 PDL_LAUNCH = {"launch_pdl": True} if USE_PDL else {}  # the launch option, where it applies
