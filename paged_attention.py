@@ -228,8 +228,8 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 # Programmatic dependent launch (PDL, Hopper and newer): a kernel launched
 # with it may start while the kernel before it is still finishing, and waits
 # for that kernel's results (gdc_wait) only where it reads them; until then it
-# can load what does not depend on them: weights, and the step's inputs
-# (positions, slots, context lengths, the block table), which are copied in
+# can load what does not depend on them: weights, tables such as RoPE's cos
+# and sin, and the step's inputs (positions, slots), which are copied in
 # before the step's first kernel. The kernels of a decode step use it (the
 # GEMV, RoPE-store and decode), each waiting before its first read of an
 # earlier kernel's output and before any early return, so that every
@@ -377,25 +377,20 @@ def _decode_kernel(
     kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    # -- this split's run of tiles; 1 active split for an empty (padding) row --
-    # The length and the block table are the step's inputs, not an earlier
-    # kernel's output: with PDL, they and the first tile's place in the pool
-    # are read before the wait (a tile past the end reads no table entry).
+    _wait_for_inputs(PDL)  # q comes from the kernel before
     L = tl.load(context_lens_ptr + b)
+    # -- this split's run of tiles; 1 active split for an empty (padding) row --
     num_tiles = tl.cdiv(L, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
     num_active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    offs_tok = tile_lo * BLOCK_N + offs_n  # (BLOCK_N,) positions in the sequence
-    offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, offs_tok < L, kv_head,
-                                stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-    _wait_for_inputs(PDL)  # q, and the new token's K/V in the pool, come from the kernels before
     if split >= num_active:  # past the end of a short context: nothing to read
         return
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * G + offs_g  # (G_PAD,) query heads of this group
     mask_g = offs_g < G
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -405,7 +400,11 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
     for tile in range(tile_lo, tile_hi):
-        mask_n = tile * BLOCK_N + offs_n < L  # offs_kv holds this tile's place in the pool
+        # -- find the tile's tokens in the pool --
+        offs_tok = tile * BLOCK_N + offs_n  # (BLOCK_N,) positions in the sequence
+        mask_n = offs_tok < L
+        offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
+                                    stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
         # -- scores --
         k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (G_PAD, BLOCK_N)
@@ -413,11 +412,6 @@ def _decode_kernel(
         # -- online softmax, accumulate p v --
         v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
-        # -- the next tile's place in the pool, asked for before it is needed --
-        offs_tok = (tile + 1) * BLOCK_N + offs_n
-        offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok,
-                                    offs_tok < tl.minimum(L, tile_hi * BLOCK_N), kv_head,
-                                    stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
 
     # An empty row (L == 0) leaves l_i == 0 and acc == 0: its output is 0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (G_PAD, HEAD_DIM)
@@ -891,21 +885,24 @@ def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps), from a sweep on an H200 (bf16, one
-# row, Llama-3.2-1B shapes each with its own prologue and epilogue, timed in
-# CUDA graphs over weights that do not fit in L2): per call, qkv 6.1 us, o 4.9,
-# gate_up 20.4, down 12.5 and the LM head 126 (cuBLAS: 6.4, 6.1, 18.5, 14.1,
-# 126, before any norm, activation or add).
+# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps), from a sweep on an H200
+# with PDL (bf16, one row, Llama-3.2-1B shapes, each with its own prologue and
+# epilogue): every candidate timed inside a whole batch-1 decode step (16
+# layers and the LM head in a CUDA graph), since a small GEMV's cost is also
+# how it overlaps its neighbours. Per call, back to back over weights that do
+# not fit in L2: qkv 5.5 us, o 3.6, gate_up 18.8, down 11.3, the LM head 122
+# (2.3, 2.3, 3.6, 3.0 and 4.3 TB/s, where a copy moves 4.25). The small ones
+# are bound by latency, not bandwidth: 8 to 13 MB are gone in a few round trips.
 def _gemv_config(N, K):
     if N > 65536:       # the LM head
         return 16, 128, 1, 4
     if K > 4096:        # down: 2048 outputs are too few tiles to fill the GPU alone
-        return 8, 256, 4, 4
+        return 16, 128, 8, 4
     if N > 8192:        # gate_up
-        return 16, 256, 1, 4
+        return 32, 128, 1, 4
     if N > K:           # qkv
         return 8, 512, 1, 4
-    return 8, 512, 1, 4  # o
+    return 8, 1024, 1, 8  # o
 
 
 def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None):
