@@ -5,7 +5,8 @@ the same inputs.
     throughput  offline generation of many random requests: nanoserve against
                 transformers `generate` (static batches), transformers
                 `generate_batch` (its continuous batching) and vLLM if installed
-    latency     batch-1 decode (ms/token, GB/s), prefill (TFLOP/s), and decode
+    latency     batch-1 decode (ms/token, GB/s) with a per-kernel table of its
+                step on a GPU (each GEMV's GB/s), prefill (TFLOP/s), and decode
                 tok/s as the batch grows; nanoserve against transformers; on
                 a CPU also the two first-impression workloads (one sequence, a
                 long prompt) with both systems side by side and their ratio
