@@ -5,7 +5,8 @@ the same inputs.
     throughput  offline generation of many random requests: nanoserve against
                 transformers `generate` (static batches), transformers
                 `generate_batch` (its continuous batching) and vLLM if installed
-    latency     batch-1 decode (ms/token, GB/s), prefill (TFLOP/s), and decode
+    latency     batch-1 decode (ms/token, GB/s) with a per-kernel table of its
+                step on a GPU (each GEMV's GB/s), prefill (TFLOP/s), and decode
                 tok/s as the batch grows; nanoserve against transformers; on
                 a CPU also the two first-impression workloads (one sequence, a
                 long prompt) with both systems side by side and their ratio
@@ -306,6 +307,7 @@ class ModelShape:
     num_lookup_params: int  # an untied input embedding, of which a step reads only B rows; else 0
     vocab_size: int        # V
     hidden_size: int       # D
+    intermediate_size: int  # I, of the MLP
     num_layers: int
     num_heads: int         # n_heads
     num_kv_heads: int      # n_kv
@@ -321,6 +323,16 @@ class ModelShape:
         embedding as the lm_head), plus the KV of B sequences at mean context ctx."""
         weights = (self.num_params - self.num_lookup_params) * self.dtype_bytes
         return weights + B * ctx * self.kv_bytes_per_token
+
+    def gemv_bytes(self):
+        """Weight bytes of each matmul of a decode step, in launch order: the
+        four of every layer, then the LM head."""
+        D, hd = self.hidden_size, self.head_dim
+        return {"qkv": (self.num_heads + 2 * self.num_kv_heads) * hd * D * self.dtype_bytes,
+                "o": D * self.num_heads * hd * self.dtype_bytes,
+                "gate_up": 2 * self.intermediate_size * D * self.dtype_bytes,
+                "down": D * self.intermediate_size * self.dtype_bytes,
+                "LM head": self.vocab_size * D * self.dtype_bytes}
 
     def prefill_flops(self, T):
         """Matmul FLOPs of one T-token prefill: 2 per weight per token in the
@@ -346,7 +358,8 @@ def model_shape(model_dir, dtype):
         num_params=sum(p.numel() for p in model.parameters()),
         num_layer_params=sum(p.numel() for p in model.model.layers.parameters()),
         num_lookup_params=0 if cfg.tie_word_embeddings else model.get_input_embeddings().weight.numel(),
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
         num_heads=n_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
         dtype_bytes=dtype.itemsize)
@@ -625,20 +638,89 @@ def latency_nanoserve(args, model_dir, shape, hw, rng):
 
 
 def profile_batch1(llm, shape, rng, args, steps=64):
-    """Where one batch-1 decode token's device time goes: torch.profiler over
-    `steps` decode steps, kernel time summed by name, per token."""
+    """Where one batch-1 decode token's time goes, kernel by kernel.
+
+    torch.profiler records a request of steps + 1 new tokens and one of 1
+    (its prefill and first token); their difference, over `steps`, is one
+    decode step. Two times per kernel: its own (start to end, which under
+    PDL includes waiting for the kernel before) and its exposed time (how
+    far it moves the last end forward: summed over a step, the busy wall
+    time). The GEMVs are told apart by their order in the step, and each
+    one's GB/s is its weight bytes over either time."""
     from torch.profiler import ProfilerActivity, profile
     prompt = random_prompts(rng, shape.vocab_size, [args.prompt_len])
-    nanoserve_generate(llm, prompt, steps)                      # the same sizes, warm
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        nanoserve_generate(llm, prompt, steps)
-    rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
-            if e.self_device_time_total > 0]
-    total = sum(us for _, _, us in rows)
-    log(f"batch-1 decode, per token over {steps} steps (the prefill included): "
-        f"{total / steps:.0f} us of device time, {sum(n for _, n, _ in rows) / steps:.0f} launches")
-    for name, n, us in sorted(rows, key=lambda r: -r[2])[:14]:
-        log(f"  {us / steps:8.1f} us  {n / steps:5.1f} x  {name[:90]}")
+    runs = []
+    for n in (1, steps + 1):
+        nanoserve_generate(llm, prompt, n)                     # the same sizes, warm
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            nanoserve_generate(llm, prompt, n)
+        runs.append([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA])
+    rows = kernel_table(*runs, shape.gemv_bytes(), shape.num_layers)
+    own, exposed = sum(r[2] for r in rows), sum(r[3] for r in rows)
+    log(f"batch-1 decode, per token over {steps} steps: the device busy {exposed / steps:.0f} us, "
+        f"{own / steps:.0f} us of kernel time, {sum(r[1] for r in rows) / steps:.0f} launches")
+    seconds, waited = host_wait(llm, prompt, steps + 1)
+    log(f"  without the profiler: {1e6 * seconds / (steps + 1):.0f} us a step, of which the host "
+        f"waited {1e6 * waited / (steps + 1):.0f} us for the device (near 0: the host is the limit)")
+    log(f"  {'kernel':<26} {'us own':>7} {'exposed':>7} {'launches':>8} {'GB/s own':>9} {'exposed':>8}")
+    for name, n, us_own, us_exposed, nbytes in rows:
+        gbps = "" if nbytes is None else f"{nbytes / us_own / 1e3:9.0f} {nbytes / us_exposed / 1e3:8.0f}"
+        log(f"  {name:<26} {us_own / steps:7.1f} {us_exposed / steps:7.1f} {n / steps:8.1f} {gbps}")
+
+
+def host_wait(llm, prompt, n):
+    """Wall seconds of a request of n new tokens, and the part the host spent
+    blocked on the device: the engine's one sync a step is an event's
+    synchronize(), timed here by wrapping it for the run."""
+    waited, sync = [0.0], torch.cuda.Event.synchronize
+    def timed_sync(event):
+        t0 = time.perf_counter()
+        sync(event)
+        waited[0] += time.perf_counter() - t0
+    torch.cuda.Event.synchronize = timed_sync
+    try:
+        seconds, _ = timed(lambda: nanoserve_generate(llm, prompt, n), "cuda")
+    finally:
+        torch.cuda.Event.synchronize = sync
+    return seconds, waited[0]
+
+
+# Kernels of a decode step grouped under one name: the first prefix that
+# matches (Triton names a kernel after its function). The GEMVs are named by
+# their place in the step; all else (torch's sampling kernels, memory
+# copies) shares one row.
+KERNEL_GROUPS = (("_rope_store", "RoPE-store"), ("_decode_reduce", "decode merge"),
+                 ("_decode", "decode attention"), ("_", "other Triton kernels"))
+
+
+def kernel_table(short, long, gemv_bytes, num_layers):
+    """Per-kernel totals of `long` minus `short`, each a list of (name, start
+    us, end us) device events. Rows: (name, launches, us own, us exposed, weight bytes read or None),
+    GEMVs first in launch order, then the rest by own time."""
+    tables = []
+    for events in (short, long):
+        events = sorted(events, key=lambda e: e[2])
+        totals, last_end = {}, -math.inf
+        gemvs = [e for e in sorted(events, key=lambda e: e[1]) if e[0].startswith("_gemv_kernel")]
+        # the step's GEMVs in order, then the LM head: name them from the last one back
+        roles = list(gemv_bytes)
+        cycle = roles[:-1] * num_layers + roles[-1:]
+        role_of = {id(e): cycle[(i - len(gemvs)) % len(cycle)] for i, e in enumerate(gemvs)}
+        for e in events:
+            name = role_of.get(id(e)) or next((g for key, g in KERNEL_GROUPS if e[0].startswith(key)),
+                                              "sampling, copies, the rest")
+            n, own, exposed = totals.get(name, (0, 0.0, 0.0))
+            totals[name] = (n + 1, own + e[2] - e[1], exposed + max(0.0, e[2] - max(e[1], last_end)))
+            last_end = max(last_end, e[2])
+        tables.append(totals)
+    diff = {name: tuple(a - b for a, b in zip(t, tables[0].get(name, (0, 0.0, 0.0))))
+            for name, t in tables[1].items()}
+    ordered = [r for r in gemv_bytes if r in diff] + sorted(
+        (n for n in diff if n not in gemv_bytes), key=lambda n: -diff[n][1])
+    rows = [(name, n, own, exposed, None if name not in gemv_bytes else n * gemv_bytes[name])
+            for name, (n, own, exposed) in ((name, diff[name]) for name in ordered) if n > 0]
+    return rows
 
 
 def latency_transformers(args, model_dir, shape, hw, rng):

@@ -22,8 +22,9 @@ SiLU-and-mul to its input and adds the residual to its output.
 
 Each kernel reads K/V straight from the pool through the block table (K/V are
 never gathered or repeated for grouped-query attention), and each wrapper only
-launches work sized from static shapes: no host sync, so the engine can
-capture a whole decode step in a CUDA graph.
+launches work sized from static shapes: no host sync, so the engine captures
+every step's forward pass, decode steps and steps with prompt tokens alike,
+in CUDA graphs.
 
 Without a GPU the engine runs the `*_sdpa` functions at the end of the file
 instead: torch's CPU flash attention over K/V read from the same pool.
@@ -62,26 +63,6 @@ import triton.language as tl
 # small torch helpers the references share.
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * LOG2E); exp2 is one GPU instruction
-
-# Programmatic dependent launch (Hopper and newer): a kernel launched with it
-# may start while the kernel before it is still finishing, and waits for that
-# kernel's results (gdc_wait) only where it reads them; until then it can load
-# what does not depend on them, such as a matmul's weights. The kernels of a
-# decode step use it, each waiting before its first read of an earlier
-# kernel's output and before any early return, so that every kernel's
-# completion still implies its predecessors'. Not in Triton's interpreter.
-USE_PDL = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-           and os.environ.get("TRITON_INTERPRET") != "1")
-PDL_LAUNCH = {"launch_pdl": True} if USE_PDL else {}  # the launch option, where it applies
-
-
-@triton.jit
-def _wait_for_inputs(PDL: tl.constexpr):
-    """With PDL: wait until the kernel before has finished and its writes are
-    visible, then let the next kernel start its own independent prologue."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _is_pow2(n):
@@ -241,10 +222,60 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------
+# Programmatic dependent launch, and the last program that finishes the work
+# Two mechanisms the decode kernel and the GEMV below share.
+#
+# Programmatic dependent launch (PDL, Hopper and newer): a kernel launched
+# with it may start while the kernel before it is still finishing, and waits
+# for that kernel's results (gdc_wait) only where it reads them; until then it
+# can load what does not depend on them: weights, tables such as RoPE's cos
+# and sin, and the step's inputs (positions, slots), which are copied in
+# before the step's first kernel. The kernels of a decode step use it (the
+# GEMV, RoPE-store and decode), each waiting before its first read of an
+# earlier kernel's output and before any early return, so that every
+# kernel's completion still implies its predecessors'. At batch 1 a layer is
+# a chain of short kernels, and each launch boundary without PDL leaves the
+# memory bus idle for a few microseconds. Not in Triton's interpreter.
+USE_PDL = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+           and os.environ.get("TRITON_INTERPRET") != "1")
+PDL_LAUNCH = {"launch_pdl": True} if USE_PDL else {}  # the launch option, where it applies
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr):
+    """With PDL: wait until the kernel before has finished and its writes are
+    visible, then let the next kernel start its own independent prologue."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# Split-K arrival counts. When one output needs the work of several programs
+# (decode's splits of a context, the GEMV's splits of K), each program writes
+# its fp32 partial, then counts itself in with an atomic add on the output's
+# counter; the program that arrives last adds up the partials (in split
+# order, so the result never depends on timing), writes the output and sets
+# the counter back to 0. So every launch leaves the counters at 0, one zeroed
+# buffer serves every launch of both kernels, and no second kernel merges
+# the partials. Two launches never use the counters at once: each touches
+# them only after its PDL wait, once the launch before has finished.
+SPLIT_K_NUM_COUNTERS = 1 << 16  # outputs with a counter in one launch
+
+
+@functools.lru_cache(maxsize=None)
+def _split_k_counts(device):
+    """The counters, zeroed once per device (see above)."""
+    assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+        "call the kernel once outside CUDA-graph capture first: a captured zeroing never runs"
+    return torch.zeros(SPLIT_K_NUM_COUNTERS, dtype=torch.int32, device=device)
+
+
+# ----------------------------------------------------------------------------
 # Decode: flash-decoding over the paged cache
 # One query token per sequence: too little work per sequence to fill a GPU,
-# so each sequence's context is split into chunks handled by separate programs,
-# whose partial softmax results a second kernel merges.
+# so each sequence's context is split into chunks handled by separate
+# programs, and the last of them to finish merges their partial softmax
+# results (see the arrival counts above).
 
 # Chosen by a sweep on an H200 (bf16, Llama-3.2-1B heads, batch 1-256 x
 # context 1k-8k): 128-token tiles with 3 in flight, and splits only until the
@@ -257,7 +288,32 @@ DECODE_NUM_STAGES = 3   # KV tiles in flight (software pipelining of the loop)
 
 
 @triton.jit
-def _decode_split_kernel(
+def _merge_splits(part_out_ptr, part_lse_ptr, offs_part, mask_g, offs_d, num_active,
+                  G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The exact softmax over the whole context from the num_active splits'
+    partials of G_PAD query heads: split i saw a softmax over its own tokens
+    with total mass 2**lse_i, so the result is sum_i w_i out_i / sum_i w_i,
+    w_i = 2**lse_i, rescaled to the running max as in the online softmax.
+    ".cg" loads: the other programs' partials are read from L2, never from a
+    stale L1."""
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    w_sum = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    for s in range(0, num_active):
+        lse = tl.load(part_lse_ptr + offs_part + s, mask=mask_g, other=0.0, cache_modifier=".cg")
+        o = tl.load(part_out_ptr + (offs_part + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_g[:, None], other=0.0, cache_modifier=".cg")  # (G_PAD, HEAD_DIM)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        w_sum = w_sum * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    return acc / w_sum[:, None]
+
+
+@triton.jit
+def _decode_kernel(
     q_ptr,              # (B, n_heads, hd) one query per sequence
     k_cache_ptr,        # (num_blocks, block_size, n_kv, hd) key pool
     v_cache_ptr,        # (num_blocks, block_size, n_kv, hd) value pool
@@ -265,7 +321,8 @@ def _decode_split_kernel(
     context_lens_ptr,   # (B,) int32 tokens in the cache, the new one included
     part_out_ptr,       # (B, n_heads, NUM_SPLITS, hd) fp32 output of each split, normalized
     part_lse_ptr,       # (B, n_heads, NUM_SPLITS) fp32 base-2 log-sum-exp of each split
-    out_ptr,            # (B, n_heads, hd) the result, written here directly when NUM_SPLITS == 1
+    counts_ptr,         # (B * n_kv,) int32 splits finished per (sequence, kv head), 0 between launches
+    out_ptr,            # (B, n_heads, hd) the result
     qk_scale,           # softmax scale * LOG2E, so the softmax runs in base 2
     num_heads,          # n_heads
     stride_qb,          # q stride between sequences
@@ -281,7 +338,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,    # hd
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,     # tokens per KV tile
-    NUM_SPLITS: tl.constexpr,  # splits per sequence (power of two)
+    NUM_SPLITS: tl.constexpr,  # programs per (sequence, kv head): the most splits (power of two)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the tensor-core default
     PDL: tl.constexpr,         # launched with programmatic dependent launch (USE_PDL)
 ):
@@ -293,7 +350,14 @@ def _decode_split_kernel(
     (each located in the pool through the block table),
         s = q k^T * scale;  m' = max(m, rowmax s);  p = exp(s - m')
         l = l * exp(m - m') + rowsum p;  acc = acc * exp(m - m') + p v
-    and finally write acc / l and the split's log-sum-exp m + log l.
+    and finally acc / l is the split's output and m + log l its log-sum-exp.
+
+    Splits: sequence b's tiles are cut into runs of cdiv(tiles, NUM_SPLITS),
+    one per split; the splits past the last run hold nothing and return at
+    once. The grid depends on no host-side length (so it is graph-safe), yet
+    a short context costs what it needs: one active split writes its output
+    directly, and several store their partials, of which the last to finish
+    computes the merge (_merge_splits). No second kernel.
 
     GQA: the G query heads sharing a kv head form the rows of one (G_PAD, hd)
     tile, so each K/V tile is read once per group and both products are
@@ -303,7 +367,7 @@ def _decode_split_kernel(
 
     Memory traffic: every K/V element of the context is read exactly once,
     2 * L * n_kv * hd elements per sequence; the partials add only
-    NUM_SPLITS * n_heads * hd fp32 per sequence.
+    2 * num_active * n_heads * hd fp32 per sequence.
     """
     tl.static_assert(G_PAD >= G, "a group's query heads must fit in the tile")
     tl.static_assert(G_PAD >= 16, "tl.dot needs at least 16 rows")
@@ -315,6 +379,14 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     _wait_for_inputs(PDL)  # q comes from the kernel before
     L = tl.load(context_lens_ptr + b)
+    # -- this split's run of tiles; 1 active split for an empty (padding) row --
+    num_tiles = tl.cdiv(L, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
+    num_active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
+    if split >= num_active:  # past the end of a short context: nothing to read
+        return
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -327,15 +399,6 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-
-    # This split's tiles: each sequence's own context is cut into NUM_SPLITS
-    # equal runs, so short and long sequences both spread over every split
-    # (the grid depends on no host-side length, which keeps it graph-safe).
-    # Past the end of a short context the range is empty and nothing is read.
-    num_tiles = tl.cdiv(L, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     for tile in range(tile_lo, tile_hi):
         # -- find the tile's tokens in the pool --
         offs_tok = tile * BLOCK_N + offs_n  # (BLOCK_N,) positions in the sequence
@@ -350,53 +413,23 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-    # An empty split stores lse = -inf (m_i is still -inf) and zeros: weight 0 in the merge.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    if NUM_SPLITS == 1:  # nothing to merge: skip the scratch and the second launch
-        offs_out = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + offs_out, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+    # An empty row (L == 0) leaves l_i == 0 and acc == 0: its output is 0.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (G_PAD, HEAD_DIM)
+    offs_out = b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if NUM_SPLITS > 1 and num_active > 1:
+        # -- several splits: store the partial; the last to arrive merges --
+        offs_part = (b * num_heads + heads) * NUM_SPLITS  # (G_PAD,) first partial of each head
+        tl.store(part_lse_ptr + offs_part + split, m_i + tl.log2(l_i), mask=mask_g)
+        tl.store(part_out_ptr + (offs_part + split)[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=mask_g[:, None])
-    else:
-        offs_part = (b * num_heads + heads) * NUM_SPLITS + split  # (G_PAD,) rows of the partials
-        tl.store(part_lse_ptr + offs_part, m_i + tl.log2(l_safe), mask=mask_g)
-        tl.store(part_out_ptr + offs_part[:, None] * HEAD_DIM + offs_d[None, :],
-                 acc / l_safe[:, None], mask=mask_g[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr,  # (B, n_heads, NUM_SPLITS, hd) fp32 normalized output of each split
-    part_lse_ptr,  # (B, n_heads, NUM_SPLITS) fp32 base-2 log-sum-exp of each split
-    out_ptr,       # (B, n_heads, hd) result, in the dtype of q
-    num_heads,     # n_heads
-    stride_ob,     # out stride between sequences
-    stride_oh,     # out stride between heads
-    HEAD_DIM: tl.constexpr,    # hd
-    NUM_SPLITS: tl.constexpr,  # splits per sequence (power of two)
-    PDL: tl.constexpr,         # launched with programmatic dependent launch (USE_PDL)
-):
-    """Program (b, head) merges the splits of one query head.
-
-    Split i saw a softmax over its own tokens with total mass 2**lse_i, so the
-    exact result is sum_i w_i out_i / sum_i w_i with w_i = 2**(lse_i - max lse).
-    Reads NUM_SPLITS * (hd + 1) fp32 values, writes hd.
-    """
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    _wait_for_inputs(PDL)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_part = (b * num_heads + head) * NUM_SPLITS + offs_s  # (NUM_SPLITS,)
-    lse = tl.load(part_lse_ptr + offs_part)
-    # (NUM_SPLITS, HEAD_DIM)
-    part = tl.load(part_out_ptr + offs_part[:, None] * HEAD_DIM + offs_d[None, :])
-    lse_max = tl.max(lse, 0)
-    # context_len 0 (a padding row): every split is empty; weights 0 give an output of 0.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # (NUM_SPLITS,)
-    w_sum = tl.sum(w, 0)
-    o = tl.sum(w[:, None] * part, 0) / tl.where(w_sum > 0, w_sum, 1.0)  # (HEAD_DIM,)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+        tl.debug_barrier()  # all of this program's partial is written before it counts in
+        count_ptr = counts_ptr + b * tl.num_programs(0) + kv_head
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel") < num_active - 1:
+            return
+        tl.atomic_xchg(count_ptr, 0)
+        o = _merge_splits(part_out_ptr, part_lse_ptr, offs_part, mask_g, offs_d, num_active,
+                          G_PAD, HEAD_DIM)
+    tl.store(out_ptr + offs_out, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
 
 
 @functools.lru_cache(maxsize=None)
@@ -431,6 +464,7 @@ def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, 
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
+    """paged_attention_decode_ref in one launch. No host sync."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
     B, n_heads, hd = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -438,25 +472,20 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if B == 0:
         return out
+    assert B * n_kv <= SPLIT_K_NUM_COUNTERS
     G = n_heads // n_kv
     max_tiles = triton.cdiv(block_tables.shape[1] * block_size, DECODE_BLOCK_N)
     num_splits = _decode_num_splits(B, n_kv, max_tiles, q.device)
     part_out = torch.empty(B, n_heads, num_splits, hd, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, n_heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(n_kv, B, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, out,
-        scale * LOG2E, n_heads,
+    _decode_kernel[(n_kv, B, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
+        _split_k_counts(q.device), out, scale * LOG2E, n_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=hd, BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
         PDL=USE_PDL, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **PDL_LAUNCH,
-    )
-    if num_splits == 1:
-        return out
-    _decode_reduce_kernel[(B, n_heads)](
-        part_out, part_lse, out, n_heads, out.stride(0), out.stride(1),
-        HEAD_DIM=hd, NUM_SPLITS=num_splits, PDL=USE_PDL, num_warps=4, **PDL_LAUNCH,
     )
     return out
 
@@ -745,6 +774,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,   # input features per loop step
     SPLIT_K: tl.constexpr,   # programs sharing one tile's K
     NORM: tl.constexpr,      # x -> norm_w * RMSNorm(x)
+    NORM_BLOCK: tl.constexpr,  # columns of x per step of the norm's first pass
     SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
     RESIDUAL: tl.constexpr,  # out = residual + x W^T
     PDL: tl.constexpr,       # launched with programmatic dependent launch (USE_PDL)
@@ -761,10 +791,9 @@ def _gemv_kernel(
 
     Split-K: a matrix with few output tiles (N / BLOCK_N programs, ~1 per SM)
     cannot keep enough loads in flight to fill the memory bus, so SPLIT_K
-    programs share each tile. Each writes its fp32 partial sum, then counts
-    itself in with an atomic; the last to arrive adds the partials in split
-    order (so the result never depends on timing), applies the epilogue and
-    sets the count back to 0 for the next launch. One launch, no second pass.
+    programs share each tile; the last of them to finish adds up their fp32
+    partials and applies the epilogue (the arrival counts, above decode).
+    One launch, no second pass.
 
     Rounding follows the unfused layers: RMSNorm computes x / rms in fp32,
     rounds to x's dtype, then multiplies by its weight in that dtype;
@@ -797,9 +826,12 @@ def _gemv_kernel(
     _wait_for_inputs(PDL)
 
     if NORM:  # -- first pass: 1 / rms of the whole row, whatever the split --
-        sum_sq = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+        # NORM_BLOCK columns a step, the whole row at once for K <= 4096: each
+        # step is a round trip to L2 that every program waits for.
+        offs_r = tl.arange(0, NORM_BLOCK)
+        sum_sq = tl.zeros([NORM_BLOCK], tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            xk = tl.load(x_row + k0 + offs_r, mask=k0 + offs_r < K, other=0.0).to(tl.float32)
             sum_sq += xk * xk
         rstd = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
 
@@ -853,31 +885,24 @@ def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K), from a sweep on an H200 (bf16, one
-# row, Llama-3.2-1B shapes each with its own prologue and epilogue, timed in
-# CUDA graphs over weights that do not fit in L2): per call, qkv 6.1 us, o 4.9,
-# gate_up 20.4, down 12.5 and the LM head 126 (cuBLAS: 6.4, 6.1, 18.5, 14.1,
-# 126, before any norm, activation or add).
+# (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps), from a sweep on an H200
+# with PDL (bf16, one row, Llama-3.2-1B shapes, each with its own prologue and
+# epilogue): every candidate timed inside a whole batch-1 decode step (16
+# layers and the LM head in a CUDA graph), since a small GEMV's cost is also
+# how it overlaps its neighbours. Per call, back to back over weights that do
+# not fit in L2: qkv 5.5 us, o 3.6, gate_up 18.8, down 11.3, the LM head 122
+# (2.3, 2.3, 3.6, 3.0 and 4.3 TB/s, where a copy moves 4.25). The small ones
+# are bound by latency, not bandwidth: 8 to 13 MB are gone in a few round trips.
 def _gemv_config(N, K):
     if N > 65536:       # the LM head
-        return 16, 128, 1
+        return 16, 128, 1, 4
     if K > 4096:        # down: 2048 outputs are too few tiles to fill the GPU alone
-        return 8, 256, 4
+        return 16, 128, 8, 4
     if N > 8192:        # gate_up
-        return 16, 256, 1
-    return 8, 512, 1    # qkv, o
-
-
-GEMV_NUM_COUNTERS = 1 << 16  # split-K tiles one launch may have
-
-
-@functools.lru_cache(maxsize=None)
-def _split_k_counts(device):
-    """Split-K arrival counts. Every launch leaves them at 0 (the last program
-    of each tile resets its own), so one zeroed buffer serves all launches."""
-    assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-        "call gemv once outside CUDA-graph capture first: a captured zeroing never runs"
-    return torch.zeros(GEMV_NUM_COUNTERS, dtype=torch.int32, device=device)
+        return 32, 128, 1, 4
+    if N > K:           # qkv
+        return 8, 512, 1, 4
+    return 8, 1024, 1, 8  # o
 
 
 def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None):
@@ -893,11 +918,11 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         assert residual.shape == out.shape and residual.dtype == x.dtype and residual.stride(1) == 1
     if M == 0:
         return out
-    BLOCK_N, BLOCK_K, SPLIT_K = _gemv_config(N, K)
+    BLOCK_N, BLOCK_K, SPLIT_K, num_warps = _gemv_config(N, K)
     BLOCK_K = min(BLOCK_K, max(16, triton.next_power_of_2(K)))
     SPLIT_K = min(SPLIT_K, triton.cdiv(K, BLOCK_K))
     grid = (M, triton.cdiv(N, BLOCK_N), SPLIT_K)
-    assert M * grid[1] <= GEMV_NUM_COUNTERS
+    assert M * grid[1] <= SPLIT_K_NUM_COUNTERS
     part = torch.empty(M, SPLIT_K, N, dtype=torch.float32, device=x.device) if SPLIT_K > 1 else out
     _gemv_kernel[grid](
         x, weight, out,
@@ -907,7 +932,8 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         N, K, eps, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(0) if residual is None else residual.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, NORM=norm_weight is not None,
-        SILU_MUL=silu_mul, RESIDUAL=residual is not None, PDL=USE_PDL, num_warps=4,
+        NORM_BLOCK=min(4096, max(16, triton.next_power_of_2(K))),
+        SILU_MUL=silu_mul, RESIDUAL=residual is not None, PDL=USE_PDL, num_warps=num_warps,
         **PDL_LAUNCH,
     )
     return out
@@ -959,11 +985,14 @@ def _rope_store_kvcache_kernel(
     Memory traffic: q read and written, k and v read and written once."""
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0)
-    _wait_for_inputs(PDL)  # q, k and v come from the kernel before
+    # The position, its cos and sin, and the slot are the step's inputs, not an
+    # earlier kernel's output: with PDL they are read before the wait.
     pos = tl.load(positions_ptr + t)
+    slot = tl.load(slot_mapping_ptr + t)  # int64: slot * n_kv * hd can pass 2**31
     offs_d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * HALF + offs_d)[None, :]  # (1, HALF)
     sin = tl.load(sin_ptr + pos * HALF + offs_d)[None, :]
+    _wait_for_inputs(PDL)  # q, k and v come from the kernel before
     dtype = q_ptr.dtype.element_ty
     # -- q, in place --
     offs_h = tl.arange(0, N_HEADS_PAD)
@@ -973,7 +1002,6 @@ def _rope_store_kvcache_kernel(
     tl.store(q_ptr + offs_q, q1.to(dtype), mask=mask)
     tl.store(q_ptr + offs_q + HALF, q2.to(dtype), mask=mask)
     # -- k rotated and v copied into the pool --
-    slot = tl.load(slot_mapping_ptr + t)  # int64: slot * n_kv * hd can pass 2**31
     if slot < 0:  # padding token: its slot belongs to nobody
         return
     offs_h = tl.arange(0, N_KV_PAD)

@@ -801,6 +801,23 @@ def test_decode_many_splits(device, dtype):
     compare(out, ref, dtype, f"decode {num_splits} splits")
 
 
+@DEVICE_DTYPES
+def test_decode_last_split_merges(device, dtype):
+    """Sequences with all splits active, two, and none (a padding row) in one
+    launch: the last split of each to finish merges them, and leaves its
+    arrival count at 0 for the next launch (run twice, other draws)."""
+    n_heads, n_kv, hd, bs = 4, 1, 64, 16
+    context_lens = [1000, 130, 0]
+    num_splits = pa._decode_num_splits(3, n_kv, -(-(63 + 1) * bs // pa.DECODE_BLOCK_N),
+                                       torch.device(device))
+    assert num_splits >= 8, "the longest context must spread over every split"
+    for seed in (0, 1):
+        out, ref = run_decode(context_lens, n_heads, n_kv, hd, bs, device, dtype, seed=seed)
+        assert (out[2] == 0).all(), "a context_len 0 row must come out as zeros"
+        compare(out, ref, dtype, f"decode {num_splits} splits, merged by the last")
+        assert (pa._split_k_counts(out.device) == 0).all(), "arrival counts not reset"
+
+
 # ----------------------------------------------------------------------------
 # prefill
 
@@ -881,7 +898,7 @@ def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K, split_k, monkeyp
     not multiples of the tiles exercise the masks; split_k 4 over K = 160 in
     32-column steps leaves the last split empty. Run twice: the split-K
     counts must be back at 0 after each launch."""
-    monkeypatch.setattr(pa, "_gemv_config", lambda N, K: (16, 32, split_k))
+    monkeypatch.setattr(pa, "_gemv_config", lambda N, K: (16, 32, split_k, 4))
     gen = torch.Generator().manual_seed(M * N + K)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     x, w = rand(M, 2 * K if silu_mul else K), rand(N, K) / K ** 0.5
