@@ -1367,31 +1367,19 @@ def _raise_template_error(message: str):
 # ends as soon as it matches: so "<tool_call>" ends the free text. Llama's <|python_tag|>
 # (a special token, which the decoder drops) opens its built-in tools: left out.
 TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
-    "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""
+    "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
 start: TEXT | head call (SEP call)*
 TEXT: /(.|\n)*/
 head[lazy]: TEXT "<tool_call>"
 call: "\n" SCHEMA "\n</tool_call>"
-SEP: "\n<tool_call>"
-"""),                                                        # Qwen2.5, SmolLM3, Hermes
-    "llama3": ("", "", "parameters", r"""
+SEP: "\n<tool_call>" """),
+    "llama3": ("", "", "parameters", r"""                               # Llama 3.1 and 3.2
 start: TEXT | call (SEP call)*
 TEXT: /(\s*[^{\s](.|\n)*)?/
 call: SCHEMA
-SEP: "; "
-"""),                                                        # Llama 3.1 and 3.2
+SEP: "; " """),
+    "json": ("", "", "arguments", "start: call\ncall: SCHEMA"),    # a forced call: its JSON alone
 }
-
-def detect_tool_call_format(template: str, tokenizer) -> str:
-    """The call format the chat template writes, else the one the vocabulary has a token for;
-    Hermes when neither says (its tags are plain text to any tokenizer)."""
-    vocab = tokenizer.get_vocab() if tokenizer else {}
-    for clues in (template, " ".join(t for t in ("<tool_call>", "<|python_tag|>") if t in vocab)):
-        if "<tool_call>" in clues:
-            return "hermes"
-        if "<|python_tag|>" in clues or '"parameters"' in clues:
-            return "llama3"
-    return "hermes"
 
 def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
     """For a template that renders neither tools nor calls: the tools in the system message,
@@ -1400,7 +1388,7 @@ def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
     def call(name: str, arguments: str) -> str:
         return f'{opening}{{"name": {name}, "{key}": {arguments}}}{closing}'
     out = [{**m, "content": m["content"] + "".join(call(json.dumps(c["function"]["name"]),
-           json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls", []))}
+           json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls") or [])}
            for m in messages]
     if tools:
         system = out.pop(0)["content"] + "\n\n" if out[0]["role"] == "system" else ""
@@ -1444,8 +1432,13 @@ class FrontEnd:
         self.cfg, self.num_blocks = cfg, num_blocks
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate(tokenizer_config)
+        # "auto" calls are read in the flag's format, else in the one the template writes: Llama's
+        # if it has <|python_tag|> or "parameters" and no <tool_call>; else Hermes's, which is also
+        # how tools are described to a model whose template renders none (_tools_as_text)
+        source = self.chat_template.source
         self.tool_call_format = cfg.tool_call_parser if cfg.tool_call_parser != "auto" else \
-            detect_tool_call_format(self.chat_template.source, self.tokenizer)
+            "llama3" if "<tool_call>" not in source and ("<|python_tag|>" in source
+                                                         or '"parameters"' in source) else "hermes"
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
@@ -1463,14 +1456,14 @@ class FrontEnd:
             raise ValueError(f"the schema cannot be compiled: {error}")
         return grammar
 
-    def tool_call_grammar(self, schema: dict, parallel: bool) -> str:
-        """The grammar of an "auto" answer (TOOL_CALL_FORMATS) whose calls fit the schema, in
-        json.dumps' spacing, which models are trained on; one call at most unless parallel."""
-        lark = TOOL_CALL_FORMATS[self.tool_call_format][3]
+    def tool_call_grammar(self, fmt: str, schema: dict, parallel: bool) -> str:
+        """The grammar of an answer in a TOOL_CALL_FORMATS format whose calls fit the schema,
+        in json.dumps' spacing, which models are trained on; one call at most unless parallel."""
+        lark = TOOL_CALL_FORMATS[fmt][3] if parallel else \
+            TOOL_CALL_FORMATS[fmt][3].replace(" (SEP call)*", "")
         schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
                                  "item_separator": ", "}, **schema}
-        lark = lark if parallel else lark.replace(" (SEP call)*", "")
-        return "%llguidance {}" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
+        return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
 
     # -- requests in --
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
@@ -2146,9 +2139,11 @@ def _fold(whole: dict, chunk: dict):
             _fold(old, value)
         elif isinstance(value, list) and value and isinstance(value[0], dict) \
                 and "index" in value[0]:      # tool-call deltas join their call, by index
-            calls = {c["index"]: c for c in whole.setdefault(key, [])}
+            calls = whole.setdefault(key, [])
             for item in value:
-                _fold(calls.get(item["index"]) or whole[key].append({}) or whole[key][-1], item)
+                if item["index"] == len(calls):       # a new call (they come in order)
+                    calls.append({})
+                _fold(calls[item["index"]], item)
         elif isinstance(value, (str, list)) and old is not None:
             whole[key] = old + value
         elif value is not None or key not in whole:
@@ -2208,6 +2203,9 @@ class _ChatShape(_Shape):
         return [{"index": i, "delta": {"role": "assistant", "content": content},
                  "logprobs": None, "finish_reason": None}]
 
+    def has_news(self, d: Delta) -> bool:       # a forced call is sent whole, at the end
+        return self.call_format is not TOOL_CALL_FORMATS["json"] and super().has_news(d)
+
     def parsed_delta(self, d: Delta, final: bool) -> dict:
         """What is new in choice d.index's content and calls, from its whole text parsed again."""
         text, num_chars, num_args = self.sent.setdefault(d.index, ["", 0, []])
@@ -2215,21 +2213,19 @@ class _ChatShape(_Shape):
         content, calls = split_tool_calls(self.call_format, text, final)
         delta = {"content": content[num_chars:]} if len(content) > num_chars else {}
         self.sent[d.index][1] = len(content)
-        new = []
-        for i, (name, arguments) in enumerate(calls):
-            if i == len(num_args):            # a call's first delta names it
-                num_args.append(0)
-                new.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}",
-                            "type": "function", "function": {"name": name, "arguments": ""}})
-            if len(arguments) > num_args[i]:
-                new.append({"index": i, "function": {"arguments": arguments[num_args[i]:]}})
-                num_args[i] = len(arguments)
+        new = [{"index": i, "function": {"arguments": arguments[num_args[i]:]}}
+               if i < len(num_args) else {"index": i, "id": f"call_{uuid.uuid4().hex[:24]}",
+               "type": "function", "function": {"name": name, "arguments": arguments}}
+               for i, (name, arguments) in enumerate(calls)      # a call's first delta names it
+               if i >= len(num_args) or len(arguments) > num_args[i]]
+        num_args[:] = [len(arguments) for _, arguments in calls]
         return delta | ({"tool_calls": new} if new else {})
 
     def last(self, state: RequestState, d: Delta) -> dict:
         if not self.call_format:
             return super().last(state, d)
-        delta = self.parsed_delta(dataclasses.replace(d, text=""), final=True)  # the held back
+        unseen = state.text[len(self.sent.get(d.index, [""])[0]):]   # all of a forced call
+        delta = self.parsed_delta(dataclasses.replace(d, text=unseen), final=True)
         called = d.finish_reason == "stop" and self.sent[d.index][2]
         return {"index": d.index, "delta": delta, "logprobs": None,
                 "finish_reason": "tool_calls" if called else d.finish_reason}
@@ -2339,18 +2335,14 @@ class OpenAIServer:
         room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
         num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
         tool = f.get("tool_choice")     # None, "auto", "required" or a name; a call wins
-        fmt = TOOL_CALL_FORMATS[self.front.tool_call_format] if tool == "auto" else \
-            ("", "", "arguments") if tool else None      # a forced call is bare JSON
-        if tool == "auto":            # free text, or calls that fit the tools
-            lark = self.front.tool_call_grammar(_tool_call_schema(f["tools"], tool, fmt[2]),
-                                                f.get("parallel_tool_calls", True))
-            grammar = await self._grammar(lark, "tools", lark=True)
-        else:
-            grammar = await (self._grammar(_tool_call_schema(f["tools"], tool), "tools") if tool
-                             else self._grammar(f.get("response_format"), "response_format"))
+        fmt = tool and (self.front.tool_call_format if tool == "auto" else "json")
+        grammar = await self._grammar(self.front.tool_call_grammar(
+            fmt, _tool_call_schema(f["tools"], tool, TOOL_CALL_FORMATS[fmt][2]),
+            f.get("parallel_tool_calls", True)), "tools") if tool else \
+            await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
-        shape = _ChatShape(self, len(prompt_ids), num_top, fmt)
+        shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt])
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
@@ -2377,9 +2369,10 @@ class OpenAIServer:
                                 f"serves {self.model_name!r}", param="model", code="model_not_found")
         return body
 
-    async def _grammar(self, source, field: str, lark: bool = False) -> Optional[str]:
+    async def _grammar(self, source, field: str) -> Optional[str]:
         """The grammar of a JSON schema or of Lark text, compiled in a thread (FrontEnd.grammar)."""
         try:
+            lark = isinstance(source, str)
             return source and await asyncio.to_thread(
                 self.front.grammar, source if lark else json.dumps(source), lark)
         except ValueError as e:
