@@ -1935,15 +1935,28 @@ def test_structured_output_bad_input_is_a_400(server):
 def test_constrained_rows_in_the_engine(smol_llm):
     """Offline: unconstrained requests batched with constrained ones are token
     for token what they are alone; a constrained request preempted and
-    recomputed comes out as it does without preemption."""
+    recomputed comes out as it does without preemption. An "auto" tool row (free
+    text, strict from its trigger on) is one more constrained row."""
     grammar = smol_llm.front.grammar(json.dumps(PERSON))
     prompt = smol_llm.front.chat_template.render(ASK_PERSON)
     constrained = [ns.SamplingParams(temperature=t, seed=3, max_tokens=200, grammar=grammar)
                    for t in (0, 1.0)]
+    tools = [WEATHER, TIME]
+    auto = ns.SamplingParams(temperature=0, max_tokens=60, logit_bias=OPEN_A_CALL,
+                             grammar=smol_llm.front.grammar(smol_llm.front.tool_call_grammar(
+                                 "hermes", ns._tool_call_schema(tools, "auto"), False), True))
+    ask_weather = [{"role": "user", "content": "What is the weather in Paris?"}]
     alone = smol_llm.generate(SMOL_PROMPTS[:2], GREEDY)
-    mixed = smol_llm.generate([prompt, SMOL_PROMPTS[0], prompt, SMOL_PROMPTS[1]],
-                              [constrained[0], GREEDY, constrained[1], GREEDY])
+    mixed = smol_llm.generate([prompt, SMOL_PROMPTS[0], prompt, SMOL_PROMPTS[1],
+                               smol_llm.front.chat_template.render(ask_weather, tools)],
+                              [constrained[0], GREEDY, constrained[1], GREEDY, auto])
     assert [mixed[1].token_ids, mixed[3].token_ids] == [o.token_ids for o in alone]
+    content, [(name, arguments)] = ns.split_tool_calls(ns.TOOL_CALL_FORMATS["hermes"],
+                                                       mixed[4].text, True)
+    print("auto row:", repr(mixed[4].text))
+    assert content == "" and mixed[4].finish_reason == "stop"
+    check_weather_call(types.SimpleNamespace(type="function", id="call_", function=types.
+        SimpleNamespace(name=name, arguments=arguments)), name)
     for o in (mixed[0], mixed[2]):
         check_person(o.text)
         assert o.finish_reason == "stop"
