@@ -1368,7 +1368,7 @@ def _raise_template_error(message: str):
 # (a special token, which the decoder drops) opens its built-in tools: left out.
 TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
     "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
-start: TEXT | head call (SEP call)*
+start: TEXT | head call (SEP call)* "\n"?
 TEXT: /(.|\n)*/
 head[lazy]: TEXT "<tool_call>"
 call: "\n" SCHEMA "\n</tool_call>"
@@ -1881,13 +1881,15 @@ def _messages(v, f) -> list:
     return parsed
 
 def _call_with_object(call) -> dict:
-    """An earlier call as templates want it (`arguments | tojson`): OpenAI sends JSON text."""
-    try:
-        arguments = call["function"].get("arguments") or "{}"
-        return {**call, "function": {**call["function"], "arguments": json.loads(arguments)
-                                     if isinstance(arguments, str) else arguments}}
-    except (AttributeError, KeyError, TypeError, ValueError):
-        raise ValueError("tool_calls must be [{'function': {'name', 'arguments': JSON text}}]")
+    """An earlier call as templates want it (`arguments | tojson`): OpenAI sends JSON text,
+    kept as it is where it does not parse (a call that max_tokens cut short)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise ValueError("tool_calls must be [{'function': {'name', 'arguments'}}]")
+    arguments = call["function"].get("arguments") or "{}"
+    with contextlib.suppress(TypeError, ValueError):     # TypeError: an object already
+        arguments = json.loads(arguments)
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 def _rule(ok, why: str):
     """A rule that checks: a 400 saying why unless ok(value, fields). A field the API defines
