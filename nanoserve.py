@@ -1940,12 +1940,10 @@ def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
     opening, closing, key = fmt[:3]       # a TOOL_CALL_FORMATS entry
     trigger = opening.rstrip()
     start = text.find(trigger) if trigger else \
-        len(text) - len(text.lstrip()) if text.lstrip().startswith("{") else -1
+        len(text) - len(text.lstrip()) if text.lstrip()[:1] in "{" else -1   # "": not yet known
     if start == -1:
-        held = 0 if final else max([k for k in range(1, len(trigger)) if text.endswith(trigger[:k])],
-                                   default=0)
-        content = text[:len(text) - held]
-        return (content if final else content.rstrip()), []
+        held = next((k for k in range(len(trigger) - 1, 0, -1) if text.endswith(trigger[:k])), 0)
+        return (text if final else text[:len(text) - held].rstrip()), []
     head = re.compile(rf'\s*(?:{re.escape(trigger) or ";"})?\s*\{{\s*"name"\s*:\s*'
                       rf'("(?:[^"\\]|\\.)*")\s*,\s*"{key}"\s*:\s*')
     calls, pos = [], start
