@@ -104,8 +104,8 @@ class Config:
     api_key: Optional[str] = _flag(None, "require 'Authorization: Bearer KEY' "
                                          "(default: $NANOSERVE_API_KEY)")
     max_request_bytes: int = _flag(16 * 2**20, "largest request body the server reads (413 beyond)")
-    tool_call_parser: str = _flag("auto", "the model's tool-call format: hermes or llama3 "
-                                          "(auto: read from its chat template and tokenizer)")
+    tool_call_parser: str = _flag("auto", "the format of the model's tool calls: hermes or "
+                                          "llama3 (auto: read from its chat template)")
     # -- architecture, read from config.json (never flags) --
     vocab_size: int = field(init=False, default=0)
     hidden_size: int = field(init=False, default=0)            # D

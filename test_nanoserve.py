@@ -1847,26 +1847,48 @@ HERMES_TEMPLATE = (   # a Qwen2.5-like template: it renders the tools and earlie
     "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, "
     "'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
     "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
-# logit_bias on the tokens of "<tool_call>" makes the small model open a call; from there the
-# grammar writes it (the bias is still there: "_" is the likeliest letter of each string)
-OPEN_A_CALL = {"44": 100, "19324": 100, "79": 100, "4350": 100, "46": 100}
+LLAMA_TEMPLATE = (   # a Llama-3.1-like template: tools in the user turn, calls as bare JSON
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if tools and loop.last %}Answer with "
+    "{\"name\": function name, \"parameters\": dictionary of arguments}, or in text. Functions:"
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n{% endif %}{% for c in m.tool_calls or [] "
+    "%}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+# logit_bias on the tokens of "<tool_call>" (or "{" for Llama's calls) makes the small model open
+# a call; from there the grammar writes it (the bias stays: "_" is each string's likeliest letter)
+OPEN_A_CALL = {"hermes": {"44": 100, "19324": 100, "79": 100, "4350": 100, "46": 100},
+               "llama3": {"107": 100, "39428": 100, "79": 100}}
 
 
-def test_auto_tool_calls(engine, client, tmp_path):
-    """tool_choice "auto" on the small model: with a template that renders tools (given here)
-    and with the model's own, which renders none; a call comes back valid, streamed equal to
-    non-streamed, and the round trip (call, result, answer) renders with the arguments as an
-    object and is answered. Without the bias the model answers in text."""
+def test_tool_call_format_detection(tmp_path):
+    """The format is read from the chat template; the flag overrides it."""
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).symlink_to(os.path.join(SMOL_DIR, name))
+    smol = json.loads(open(os.path.join(SMOL_DIR, "tokenizer_config.json")).read())
+    for template, flag, fmt in [(HERMES_TEMPLATE, "auto", "hermes"),
+                                (LLAMA_TEMPLATE, "auto", "llama3"),
+                                (smol["chat_template"], "auto", "hermes"),   # renders no tools
+                                (HERMES_TEMPLATE, "llama3", "llama3")]:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        cfg = Config(model=str(tmp_path), device="cpu", tool_call_parser=flag)
+        assert ns.FrontEnd(cfg, 1).tool_call_format == fmt, (template[:40], flag)
+
+
+def test_auto_tool_calls(engine, client):
+    """tool_choice "auto" on the small model: with templates that render tools (given here, in
+    both formats) and with the model's own, which renders none; a call comes back valid, streamed
+    equal to non-streamed, and the round trip (call, result, answer) renders with the arguments
+    as an object and is answered. Without the bias the model answers in text."""
     front, messages = engine.front, [{"role": "user", "content": "What is the weather in Paris?"}]
     kw = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0,
               max_tokens=60, parallel_tool_calls=False)
-    assert "<tool_call>" in HERMES_TEMPLATE and front.tool_call_format == "hermes"
     own = front.chat_template
-    for template in (ns.ChatTemplate({"chat_template": HERMES_TEMPLATE}), own):
-        front.chat_template = template
+    for source, fmt in [(HERMES_TEMPLATE, "hermes"), (None, "hermes"), (LLAMA_TEMPLATE, "llama3")]:
+        template = ns.ChatTemplate({"chat_template": source}) if source else own
+        front.chat_template, front.tool_call_format = template, fmt
         try:
-            r = client.chat.completions.create(logit_bias=OPEN_A_CALL, **kw).choices[0]
-            chunks = list(client.chat.completions.create(stream=True, logit_bias=OPEN_A_CALL, **kw))
+            r = client.chat.completions.create(logit_bias=OPEN_A_CALL[fmt], **kw).choices[0]
+            chunks = list(client.chat.completions.create(stream=True, logit_bias=OPEN_A_CALL[fmt],
+                                                         **kw))
             text = client.chat.completions.create(**{**kw, "max_tokens": 8}).choices[0]
             turns = [*messages, r.message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": r.message.tool_calls[0].id,
@@ -1874,7 +1896,7 @@ def test_auto_tool_calls(engine, client, tmp_path):
             prompt = template.render(ns._messages(turns, {}), [WEATHER, TIME])
             answer = client.chat.completions.create(**{**kw, "messages": turns, "max_tokens": 8})
         finally:
-            front.chat_template = own
+            front.chat_template, front.tool_call_format = own, "hermes"
         print("auto:", r.message.tool_calls, "| text:", text.message)
         assert r.finish_reason == "tool_calls" and r.message.content is None
         calls = [(c.function.name, check_weather_call(c, c.function.name))
@@ -1886,8 +1908,8 @@ def test_auto_tool_calls(engine, client, tmp_path):
         assert [(n, json.loads(a)) for n, a in streamed.values()] == calls
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         assert text.message.tool_calls is None and text.message.content
-        call = r.message.tool_calls[0]
-        assert f'"arguments": {json.dumps(json.loads(call.function.arguments))}' in prompt, prompt
+        call, key = r.message.tool_calls[0], ns.TOOL_CALL_FORMATS[fmt][2]
+        assert f'"{key}": {json.dumps(json.loads(call.function.arguments))}' in prompt, prompt
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
@@ -1942,7 +1964,7 @@ def test_constrained_rows_in_the_engine(smol_llm):
     constrained = [ns.SamplingParams(temperature=t, seed=3, max_tokens=200, grammar=grammar)
                    for t in (0, 1.0)]
     tools = [WEATHER, TIME]
-    auto = ns.SamplingParams(temperature=0, max_tokens=60, logit_bias=OPEN_A_CALL,
+    auto = ns.SamplingParams(temperature=0, max_tokens=60, logit_bias=OPEN_A_CALL["hermes"],
                              grammar=smol_llm.front.grammar(smol_llm.front.tool_call_grammar(
                                  "hermes", ns._tool_call_schema(tools, "auto"), False), True))
     ask_weather = [{"role": "user", "content": "What is the weather in Paris?"}]
