@@ -1443,9 +1443,8 @@ class FrontEnd:
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
     def _compile_grammar(self, source: str, lark: bool = False) -> str:
-        """llguidance's grammar for a JSON schema (as JSON) or a Lark grammar, checked: a
-        ValueError says why not. Cached as `grammar`: one compile per distinct source. The JSON
-        of a schema is compact (no spaces)."""
+        """llguidance's grammar for a JSON schema (as JSON; its output compact, no spaces) or Lark
+        text, checked: a ValueError says why not. Cached as `grammar`: one compile per source."""
         if self.tokenizer is None:
             raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
         grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
@@ -1459,8 +1458,7 @@ class FrontEnd:
     def tool_call_grammar(self, fmt: str, schema: dict, parallel: bool) -> str:
         """The grammar of an answer in a TOOL_CALL_FORMATS format whose calls fit the schema,
         in json.dumps' spacing, which models are trained on; one call at most unless parallel."""
-        lark = TOOL_CALL_FORMATS[fmt][3] if parallel else \
-            TOOL_CALL_FORMATS[fmt][3].replace(" (SEP call)*", "")
+        lark = TOOL_CALL_FORMATS[fmt][3].replace(" (SEP call)*", " (SEP call)*" if parallel else "")
         schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
                                  "item_separator": ", "}, **schema}
         return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
