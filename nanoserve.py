@@ -2084,9 +2084,9 @@ class _Shape:
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
                 self.num_completion_tokens += len(d.token_ids)
-                choice = self.has_news(d) and self.choice(dataclasses.replace(d, finish_reason=None))
-                if choice and (choice.get("delta") != {} or choice["logprobs"]):  # tools hold back
-                    yield choice
+                news = self.has_news(d) and self.choice(dataclasses.replace(d, finish_reason=None))
+                if news and (news.get("delta") != {} or news["logprobs"]):   # tools hold back
+                    yield news
                 if d.finish_reason is not None:   # (an echo not sent yet goes with it)
                     yield self.last(state, d)
 
