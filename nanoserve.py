@@ -1884,10 +1884,10 @@ def _call_with_object(call) -> dict:
     function = call.get("function") if isinstance(call, dict) else None
     if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
         raise ValueError("tool_calls must be [{'function': {'name', 'arguments'}}]")
-    arguments = call["function"].get("arguments") or "{}"
+    arguments = function.get("arguments") or "{}"
     with contextlib.suppress(TypeError, ValueError):     # TypeError: an object already
         arguments = json.loads(arguments)
-    return {**call, "function": {**call["function"], "arguments": arguments}}
+    return {**call, "function": {**function, "arguments": arguments}}
 
 def _rule(ok, why: str):
     """A rule that checks: a 400 saying why unless ok(value, fields). A field the API defines
