@@ -17,7 +17,8 @@ the same inputs.
                 and SDPA on contiguous K/V, over batch x context
     prefix      shared-prefix requests with prefix caching on and off
     structured  offline throughput with 0%, 10% and 100% of the requests
-                constrained to a JSON schema, and the host time of the masks
+                constrained to a JSON schema, 10% with tool_choice "auto"'s
+                grammar, and the host time of the masks
 
 Every number is taken after a warm-up and with the device synchronized, and
 each setting prints one line with a hardware-relative figure next to the raw
@@ -1164,8 +1165,11 @@ def plot_kernel(curves, hw, out_dir):
 # ---------------------------------------------------------------------------
 # Mode: structured
 # Offline throughput with a share of the requests constrained to a JSON schema
-# (none, a tenth, all), greedy with EOS ignored: what the grammars cost the
-# whole batch, and the host time of filling their masks, per step and per row.
+# (none, a tenth, all), or to tool_choice "auto"'s grammar (free text, strict
+# from <tool_call> on: the random prompts never get there, so this is what a
+# free row under a lazy grammar costs), greedy with EOS ignored: what the
+# grammars cost the whole batch, and the host time of filling their masks,
+# per step and per row.
 # The grammar needs a real tokenizer: a random model gets --tokenizer's.
 
 LIST_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
@@ -1187,11 +1191,15 @@ def with_tokenizer(model_dir, tokenizer_dir):
 
 
 def structured(args, model_dir, hw):
-    """Throughput with 0%, 10% and 100% of the requests constrained to a JSON schema."""
-    from nanoserve import SamplingParams
+    """Throughput with 0%, 10% and 100% of the requests constrained to a JSON schema, and
+    with 10% under tool_choice "auto"'s grammar."""
+    from nanoserve import SamplingParams, _tool_call_schema
     model_dir = with_tokenizer(model_dir, args.tokenizer) if args.tokenizer else model_dir
     llm = make_llm(args, model_dir)
     grammar = llm.front.grammar(json.dumps(LIST_SCHEMA))
+    tool = {"type": "function", "function": {"name": "list", "parameters": LIST_SCHEMA}}
+    auto = llm.front.grammar(llm.front.tool_call_grammar(
+        "hermes", _tool_call_schema([tool], "auto"), True), True)
     runner, masks = llm.engine.runner, [0, 0, 0.0]   # steps with a mask, rows, seconds
     fill = runner.token_masks
 
@@ -1207,17 +1215,18 @@ def structured(args, model_dir, hw):
     prompts = random_prompts(rng, vocab, [rng.randint(args.min_input, args.max_input)
                                           for _ in range(args.num_seqs)])
     base = None
-    for share in args.shares:
+    for kind, share, g in [("constrained", s, grammar) for s in args.shares] + \
+            [("in tool_choice auto", s, auto) for s in args.auto_shares]:
         num = round(share * len(prompts))
         params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-                                 grammar=grammar if i % len(prompts) < num else None)
+                                 grammar=g if i % len(prompts) < num else None)
                   for i in range(len(prompts))]
         llm.generate(prompts, [dataclasses.replace(p, max_tokens=4) for p in params])  # warm-up
         masks[:] = [0, 0, 0.0]
         seconds, outs = timed(lambda: llm.generate(prompts, params), args.device)
         tokens = sum(len(o.token_ids) for o in outs)
         base = base or tokens / seconds
-        report("nanoserve", f"{share:.0%} of {len(prompts)} constrained", output_tok_s=tokens / seconds,
+        report("nanoserve", f"{share:.0%} of {len(prompts)} {kind}", output_tok_s=tokens / seconds,
                vs_none=tokens / seconds / base, mean_output_len=tokens / len(prompts),
                mask_ms_per_step=1e3 * masks[2] / max(1, masks[0]),
                mask_us_per_row=1e6 * masks[2] / max(1, masks[1]))
@@ -1328,6 +1337,8 @@ SIZE_FLAGS = {
         ("output_len", int, 256, 16, "most output tokens (a grammar may end a request sooner)"),
         ("shares", lambda s: [float(x) for x in s.split(",")], [0.0, 0.1, 1.0], [0.0, 0.1, 1.0],
          "shares of the requests constrained, comma-separated"),
+        ("auto_shares", lambda s: [float(x) for x in s.split(",")], [0.1], [0.1],
+         "shares of the requests in tool_choice auto, comma-separated"),
         ("tokenizer", str, None, None, "folder whose tokenizer a random model takes (the grammar "
                                        "needs real tokens)")],
 }

@@ -31,7 +31,7 @@ cross back as EngineCoreOutputs, and the FrontEnd turns them into text for the H
 from __future__ import annotations
 
 import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, functools, hmac, json, math
-import multiprocessing, os, signal, socket, sys, threading, time, traceback, uuid
+import multiprocessing, os, re, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,6 +101,8 @@ class Config:
     api_key: Optional[str] = _flag(None, "require 'Authorization: Bearer KEY' "
                                          "(default: $NANOSERVE_API_KEY)")
     max_request_bytes: int = _flag(16 * 2**20, "largest request body the server reads (413 beyond)")
+    tool_call_parser: str = _flag("auto", "the format of the model's tool calls: hermes or "
+                                          "llama3 (auto: read from its chat template)")
     # -- architecture, read from config.json (never flags) --
     vocab_size: int = field(init=False, default=0)
     hidden_size: int = field(init=False, default=0)            # D
@@ -162,7 +164,8 @@ class Config:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs, "
                              "so that every running sequence can decode in one step")
         for name, allowed in [("attention", ("triton", "sdpa", "torch")),
-                              ("dtype", ("float32", "bfloat16", "float16"))]:
+                              ("dtype", ("float32", "bfloat16", "float16")),
+                              ("tool_call_parser", ("auto", "hermes", "llama3"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.attention == "triton" and not self.device.startswith("cuda") \
@@ -1302,6 +1305,43 @@ class RequestState:
 def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
 
+# How each model family writes a tool call, for tool_choice "auto": JSON {"name": ..., KEY:
+# {...}} between an opening and a closing; and the Lark grammar (llguidance's) of a whole answer,
+# SCHEMA standing for the calls' JSON schema. The text is free until its trigger (the opening's
+# tag; for Llama, "{" as the answer's first character), and strict from there. A lazy lexeme
+# ends as soon as it matches: so "<tool_call>" ends the free text. Llama's <|python_tag|>
+# (a special token, which the decoder drops) opens its built-in tools: left out.
+TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
+    "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
+start: TEXT | head call (SEP call)* "\n"?
+TEXT: /(.|\n)*/
+head[lazy]: TEXT "<tool_call>"
+call: "\n" SCHEMA "\n</tool_call>"
+SEP: "\n<tool_call>" """),
+    "llama3": ("", "", "parameters", r"""                               # Llama 3.1 and 3.2
+start: TEXT | call (SEP call)*
+TEXT: /(\s*[^{\s](.|\n)*)?/
+call: SCHEMA
+SEP: "; " """),
+    "json": ("", "", "arguments", "start: call\ncall: SCHEMA"),    # a forced call: its JSON alone
+}
+
+def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
+    """For a template that renders neither tools nor calls: the tools in the system message,
+    and earlier calls in the assistant's text, written the way the model is asked to."""
+    opening, closing, key, _ = TOOL_CALL_FORMATS[fmt]
+    def call(name: str, arguments: str) -> str:
+        return f'{opening}{{"name": {name}, "{key}": {arguments}}}{closing}'
+    out = [{**m, "content": m["content"] + "".join(call(json.dumps(c["function"]["name"]),
+           json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls") or [])}
+           for m in messages]
+    if tools:
+        system = out.pop(0)["content"] + "\n\n" if out[0]["role"] == "system" else ""
+        out.insert(0, {"role": "system", "content": system + "You can call these functions:\n"
+                       + "\n".join(map(json.dumps, tools)) + "\nTo call one, answer "
+                       + call("<function name>", "<arguments as a JSON object>")})
+    return out
+
 class ChatTemplate:
     """The model's own chat template (tokenizer_config.json), rendered as transformers renders it.
     The template is code shipped with the checkpoint, so it runs in jinja2's sandbox; blocks are
@@ -1311,16 +1351,18 @@ class ChatTemplate:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals.update(raise_exception=_raise_template_error, strftime_now=time.strftime)
-        source = tokenizer_config.get("chat_template")
-        self.template = env.from_string(source) if source else None  # None: no chat endpoint
+        self.source = tokenizer_config.get("chat_template") or ""
+        self.template = env.from_string(self.source) if self.source else None  # None: no chat
         # older configs write a special token as {"content": "<s>", ...}
         tokens = {name: tokenizer_config.get(name) or "" for name in ("bos_token", "eos_token")}
         self.special_tokens = {k: t["content"] if isinstance(t, dict) else t
                                for k, t in tokens.items()}
 
-    def render(self, messages: list, tools: Optional[list] = None) -> str:
+    def render(self, messages: list, tools: Optional[list] = None, tool_format="hermes") -> str:
         if self.template is None:
             raise ValueError("this model has no chat template: use /v1/completions")
+        if "tool" not in self.source:          # it renders neither tools nor calls
+            messages, tools = _tools_as_text(messages, tools, tool_format), None
         try:
             return self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                         **self.special_tokens)
@@ -1334,20 +1376,36 @@ class FrontEnd:
         self.cfg, self.num_blocks = cfg, num_blocks
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate(tokenizer_config)
+        # "auto" calls are read in the flag's format, else in the one the template writes: Llama's
+        # if it has <|python_tag|> or "parameters" and no <tool_call>; else Hermes's, which is also
+        # how tools are described to a model whose template renders none (_tools_as_text)
+        source = self.chat_template.source
+        self.tool_call_format = cfg.tool_call_parser if cfg.tool_call_parser != "auto" else \
+            "llama3" if "<tool_call>" not in source and ("<|python_tag|>" in source
+                                                         or '"parameters"' in source) else "hermes"
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
-    def _compile_grammar(self, schema: str) -> str:
-        """llguidance's grammar for a JSON schema (as JSON), checked: a ValueError says why not.
-        Cached as `grammar`: one compile per distinct schema. The JSON is compact (no spaces)."""
+    def _compile_grammar(self, source: str, lark: bool = False) -> str:
+        """llguidance's grammar for a JSON schema (as JSON; its output compact, no spaces) or Lark
+        text, checked: a ValueError says why not. Cached as `grammar`: one compile per source."""
         if self.tokenizer is None:
             raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema, overrides={"whitespace_flexible": False})
+        grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
+            llguidance.LLMatcher.grammar_from_json_schema(
+                source, overrides={"whitespace_flexible": False})
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
             raise ValueError(f"the schema cannot be compiled: {error}")
         return grammar
+
+    def tool_call_grammar(self, fmt: str, schema: dict, parallel: bool) -> str:
+        """The grammar of an answer in a TOOL_CALL_FORMATS format whose calls fit the schema,
+        in json.dumps' spacing, which models are trained on; one call at most unless parallel."""
+        lark = TOOL_CALL_FORMATS[fmt][3].replace(" (SEP call)*", " (SEP call)*" if parallel else "")
+        schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
+                                 "item_separator": ", "}, **schema}
+        return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
 
     # -- requests in --
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
@@ -1745,8 +1803,22 @@ def _messages(v, f) -> list:
         if not (isinstance(content, str) or content is None and m["role"] == "assistant"):
             raise ValueError("content must be a string or a list of text parts "
                              "(null only for the assistant)")
-        parsed.append({**m, "content": content or ""})
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise ValueError("a 'tool' message needs the 'tool_call_id' it answers")
+        calls = [_call_with_object(c) for c in m.get("tool_calls") or []]
+        parsed.append({**m, "content": content or ""} | ({"tool_calls": calls} if calls else {}))
     return parsed
+
+def _call_with_object(call) -> dict:
+    """An earlier call as templates want it (`arguments | tojson`): OpenAI sends JSON text,
+    kept as it is where it does not parse (a call that max_tokens cut short)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise ValueError("tool_calls must be [{'function': {'name', 'arguments'}}]")
+    arguments = function.get("arguments") or "{}"
+    with contextlib.suppress(TypeError, ValueError):     # TypeError: an object already
+        arguments = json.loads(arguments)
+    return {**call, "function": {**function, "arguments": arguments}}
 
 def _rule(ok, why: str):
     """A rule that checks: a 400 saying why unless ok(value, fields). A field the API defines
@@ -1770,8 +1842,8 @@ def _response_format(v, f) -> Optional[dict]:
     return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
 
 def _tool_choice(v, f) -> Optional[str]:
-    """None (no call forced), "required" (a call of any tool) or the name of the one tool to call.
-    "auto", the default with tools, needs each model family's free-text call parser: left out."""
+    """None (no call), "auto" (the model decides: the default with tools), "required" (a call of
+    any tool) or the name of the one tool to call."""
     names = [t["function"]["name"] for t in f.get("tools") or []]
     if isinstance(v, dict):
         v = parse_fields(v, _FUNCTION_CHOICE, "tool_choice.")["function"]["name"]
@@ -1780,21 +1852,40 @@ def _tool_choice(v, f) -> Optional[str]:
         return v
     if v not in (None, "none", "auto", "required") or v == "required" and not names:
         raise ValueError("must be 'none', 'auto', or with 'tools' 'required' or a named function")
-    if names and v in (None, "auto"):
-        raise ValueError("'auto' (the default with 'tools') is not supported: it needs a parser of "
-                         "each model's tool-call format; force a call ('required' or a function)")
-    return v if v == "required" else None
+    return None if v == "none" or not names else v or "auto"
 
-def _tool_call_schema(tools: list, choice: str) -> dict:
-    """The JSON a forced call is generated as: the named function's arguments,
-    or, for "required", the {"name", "arguments"} of any one function."""
-    parameters = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"})
-                  for t in tools}
-    if choice != "required":
-        return parameters[choice]
-    return {"anyOf": [{"type": "object", "required": ["name", "arguments"],
-                       "properties": {"name": {"const": name}, "arguments": schema},
-                       "additionalProperties": False} for name, schema in parameters.items()]}
+def _tool_call_schema(tools: list, choice: str, key: str = "arguments") -> dict:
+    """The JSON of a call, {"name", key}, of any tool ("auto", "required") or the one named."""
+    return {"anyOf": [{"type": "object", "required": ["name", key], "additionalProperties": False,
+                       "properties": {"name": {"const": t["function"]["name"]},
+                                      key: t["function"].get("parameters", {"type": "object"})}}
+                      for t in tools if choice in ("auto", "required", t["function"]["name"])]}
+
+def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
+    """The content and the calls ([name, arguments as JSON text]) of an "auto" answer so far.
+    Content is the text before the first call, less a tail that may yet open one or end in
+    whitespace (unless final); a call being written, or cut by max_tokens, has the arguments so
+    far. Monotone: more text parses to this and more, so a stream sends only what is new."""
+    opening, closing, key = fmt[:3]       # a TOOL_CALL_FORMATS entry
+    trigger = opening.rstrip()
+    start = text.find(trigger) if trigger else \
+        len(text) - len(text.lstrip()) if text.lstrip()[:1] in "{" else -1   # "": not yet known
+    if start == -1:
+        held = next((k for k in range(len(trigger) - 1, 0, -1) if text.endswith(trigger[:k])), 0)
+        return (text if final else text[:len(text) - held].rstrip()), []
+    head = re.compile(rf'\s*(?:{re.escape(trigger) or ";"})?\s*\{{\s*"name"\s*:\s*'
+                      rf'("(?:[^"\\]|\\.)*")\s*,\s*"{key}"\s*:\s*')
+    calls, pos = [], start
+    while m := head.match(text, pos):
+        try:                          # the arguments end where their JSON value does
+            end = m.end() + json.JSONDecoder().raw_decode(text[m.end():])[1]
+        except ValueError:            # still being written, or cut short
+            return text[:start].rstrip(), calls + [[json.loads(m[1]), text[m.end():]]]
+        calls.append([json.loads(m[1]), text[m.end():end]])
+        if not (after := re.compile(r"\s*\}\s*" + re.escape(closing)).match(text, end)):
+            break
+        pos = after.end()
+    return text[:start].rstrip(), calls
 
 _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an object, [..]: an array
     model=str, max_tokens=int, n=(int, _n), seed=int, stop=(object, _stop), temperature=float,
@@ -1881,7 +1972,6 @@ class _Shape:
     log-probs. The engine's log-probs are of the model's own distribution (before temperature
     and top-p), as OpenAI reports them; JSON has no -inf, so they are clamped."""
     id_prefix = object = chunk_object = ""
-    tool_choice = None                # a chat's forced call: None, "required" or a name
 
     def __init__(self, server: "OpenAIServer", num_prompt_tokens: int,
                  num_top_logprobs: Optional[int]):
@@ -1895,9 +1985,8 @@ class _Shape:
 
     def has_news(self, d: Delta) -> bool:
         """Whether d is worth a chunk (a token whose text is held back still
-        carries its log-probs). A forced tool call is sent whole, at the end."""
-        news = bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
-        return news and not self.tool_choice
+        carries its log-probs)."""
+        return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
 
     def token_logprobs(self, token_ids: list, logprobs: list):
         """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
@@ -1925,8 +2014,9 @@ class _Shape:
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
                 self.num_completion_tokens += len(d.token_ids)
-                if self.has_news(d):
-                    yield self.choice(dataclasses.replace(d, finish_reason=None))
+                news = self.has_news(d) and self.choice(dataclasses.replace(d, finish_reason=None))
+                if news and (news.get("delta") != {} or news["logprobs"]):   # tools hold back
+                    yield news
                 if d.finish_reason is not None:   # (an echo not sent yet goes with it)
                     yield self.last(state, d)
 
@@ -1974,6 +2064,13 @@ def _fold(whole: dict, chunk: dict):
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
             _fold(old, value)
+        elif isinstance(value, list) and value and isinstance(value[0], dict) \
+                and "index" in value[0]:      # tool-call deltas join their call, by index
+            calls = whole.setdefault(key, [])
+            for item in value:
+                if item["index"] == len(calls):       # a new call (they come in order)
+                    calls.append({})
+                _fold(calls[item["index"]], item)
         elif isinstance(value, (str, list)) and old is not None:
             whole[key] = old + value
         elif value is not None or key not in whole:
@@ -2016,36 +2113,52 @@ class _CompletionShape(_Shape):
 
 class _ChatShape(_Shape):
     """The chat shape: a stream opens each choice with the assistant's role, then content deltas,
-    then an empty one with the finish_reason. A forced tool call goes whole, last, as tool_calls."""
+    then an empty one with the finish_reason. With tools, each delta's text is parsed
+    (split_tool_calls) into content and tool-call deltas: a call's index, id, type and name,
+    then its arguments in pieces; the finish_reason is "tool_calls" if the model called."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, tool_choice=None):
+    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
-        self.tool_choice = tool_choice    # None, "required" or a name (_tool_choice)
+        self.call_format = call_format    # (opening, closing, key) of the calls; None: text
+        self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
 
     def opening(self, i: int) -> list:
-        content = None if self.tool_choice else ""          # a tool call has no content
+        content = None if self.call_format else ""   # a call may come: null until text does
         return [{"index": i, "delta": {"role": "assistant", "content": content},
                  "logprobs": None, "finish_reason": None}]
 
+    def has_news(self, d: Delta) -> bool:       # a forced call is sent whole, at the end
+        return self.call_format is not TOOL_CALL_FORMATS["json"] and super().has_news(d)
+
+    def parsed_delta(self, d: Delta, final: bool) -> dict:
+        """What is new in choice d.index's content and calls, from its whole text parsed again."""
+        text, num_chars, num_args = self.sent.setdefault(d.index, ["", 0, []])
+        text = self.sent[d.index][0] = text + d.text
+        content, calls = split_tool_calls(self.call_format, text, final)
+        delta = {"content": content[num_chars:]} if len(content) > num_chars else {}
+        self.sent[d.index][1] = len(content)
+        new = [{"index": i, "function": {"arguments": arguments[num_args[i]:]}}
+               if i < len(num_args) else {"index": i, "id": f"call_{uuid.uuid4().hex[:24]}",
+               "type": "function", "function": {"name": name, "arguments": arguments}}
+               for i, (name, arguments) in enumerate(calls)      # a call's first delta names it
+               if i >= len(num_args) or len(arguments) > num_args[i]]
+        num_args[:] = [len(arguments) for _, arguments in calls]
+        return delta | ({"tool_calls": new} if new else {})
+
     def last(self, state: RequestState, d: Delta) -> dict:
-        """With a forced call, the call: its arguments are the generated JSON
-        (with "required": its "arguments", under its "name")."""
-        if not self.tool_choice:
+        if not self.call_format:
             return super().last(state, d)
-        try:
-            value = json.loads(state.text)
-        except ValueError:                     # cut short by max_tokens: the text, as it is
-            return {**super().last(state, d), "delta": {"content": state.text}}
-        name, arguments = (value["name"], value["arguments"]) if self.tool_choice == "required" \
-            else (self.tool_choice, value)
-        call = {"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-        return {**super().last(state, d), "delta": {"tool_calls": [call]},
-                "finish_reason": "tool_calls"}
+        unseen = state.text[len(self.sent.get(d.index, [""])[0]):]   # all of a forced call
+        delta = self.parsed_delta(dataclasses.replace(d, text=unseen), final=True)
+        called = d.finish_reason == "stop" and self.sent[d.index][2]
+        return {"index": d.index, "delta": delta, "logprobs": None,
+                "finish_reason": "tool_calls" if called else d.finish_reason}
 
     def choice(self, d: Delta) -> dict:
-        return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
+        delta = self.parsed_delta(d, False) if self.call_format else \
+            {"content": d.text} if d.token_ids else {}
+        return {"index": d.index, "delta": delta,
                 "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
 
     def logprobs(self, d: Delta) -> Optional[dict]:
@@ -2136,19 +2249,23 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         f = parse_fields(await self._read(request), CHAT_FIELDS)
         try:
-            text = self.front.chat_template.render(f["messages"], f.get("tools"))
+            text = self.front.chat_template.render(f["messages"], f.get("tools"),
+                                                   self.front.tool_call_format)
         except ValueError as e:
             raise APIError(400, str(e), param="messages")
         # the template has written the special tokens: encode must not add its own
         prompt_ids = await self._encode(text, add_special_tokens=False)
         room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
         num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
-        tool = f.get("tool_choice")     # None, "required" or a name; a forced call wins
-        grammar = await (self._grammar(_tool_call_schema(f["tools"], tool), "tools") if tool
-                         else self._grammar(f.get("response_format"), "response_format"))
+        tool = f.get("tool_choice")     # None, "auto", "required" or a name; a call wins
+        fmt = tool and (self.front.tool_call_format if tool == "auto" else "json")
+        grammar = await self._grammar(self.front.tool_call_grammar(
+            fmt, _tool_call_schema(f["tools"], tool, TOOL_CALL_FORMATS[fmt][2]),
+            f.get("parallel_tool_calls", True)), "tools") if tool else \
+            await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
-        shape = _ChatShape(self, len(prompt_ids), num_top, tool)
+        shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt])
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
@@ -2175,10 +2292,12 @@ class OpenAIServer:
                                 f"serves {self.model_name!r}", param="model", code="model_not_found")
         return body
 
-    async def _grammar(self, schema: Optional[dict], field: str) -> Optional[str]:
-        """The grammar of a JSON schema, compiled in a thread (FrontEnd.grammar)."""
+    async def _grammar(self, source, field: str) -> Optional[str]:
+        """The grammar of a JSON schema or of Lark text, compiled in a thread (FrontEnd.grammar)."""
         try:
-            return schema and await asyncio.to_thread(self.front.grammar, json.dumps(schema))
+            lark = isinstance(source, str)
+            return source and await asyncio.to_thread(
+                self.front.grammar, source if lark else json.dumps(source), lark)
         except ValueError as e:
             raise APIError(400, f"'{field}': {e}", param=field)
 

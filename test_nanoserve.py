@@ -20,8 +20,10 @@ import socket
 import sys
 import threading
 import time
+import types
 
 import httpx
+import llguidance
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1639,7 +1641,6 @@ def test_content_parts_tool_turns_and_models_retrieve(client):
 
 
 REFUSED = [({"response_format": {"type": "yaml"}}, "response_format"),
-           ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
            ({"tool_choice": "required"}, "tool_choice"),
            ({"best_of": 3}, "best_of"),
            ({"min_tokens": 4}, "min_tokens"),                   # not known: never ignored
@@ -1785,6 +1786,155 @@ def test_forced_tool_calls(client):
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
 
 
+# -- tool_choice "auto": each format's parser, and calls kept valid by the grammar --
+
+W_CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+T_CALL = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+PARSER_CASES = {   # format: [(the model's text, finish_reason, content, [(name, arguments)])]
+    "hermes": [
+        ("Sunny <in> Paris.", "stop", "Sunny <in> Paris.", []),
+        (f"<tool_call>\n{W_CALL}\n</tool_call>", "stop", None,
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+        (f"<tool_call>\n{W_CALL}\n</tool_call>\n<tool_call>\n{T_CALL}\n</tool_call>", "stop", None,
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]),
+        (f"Let me look.\n<tool_call>\n{W_CALL}\n</tool_call>", "stop", "Let me look.",
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "length", None,
+         [("get_weather", '{"city": "Pa')]),
+        ("Cut at <tool_c", "length", "Cut at <tool_c", [])],
+    "llama3": [
+        ("Sunny in Paris.", "stop", "Sunny in Paris.", []),
+        (W_CALL.replace("arguments", "parameters"), "stop", None,
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+        (f"{W_CALL}; {T_CALL}".replace("arguments", "parameters"), "stop", None,
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]),
+        ("Text first {} is text", "stop", "Text first {} is text", []),   # a call is the whole answer
+        ('{"name": "get_time", "parameters": {"zo', "length", None, [("get_time", '{"zo')])],
+}
+
+
+def parse_stream(fmt, pieces, finish):
+    """A chat answer in fmt, its text sent in pieces: (the chunks, the chunks folded into one)."""
+    shape = ns._ChatShape(None, 0, None, ns.TOOL_CALL_FORMATS[fmt])
+    delta = lambda text, finish=None: ns.Delta(0, text, [1] if text else [], [], finish, None)
+    chunks = shape.opening(0) + [shape.choice(delta(p)) for p in pieces]
+    chunks.append(shape.last(types.SimpleNamespace(text="".join(pieces)), delta("", finish)))
+    whole = {}
+    for c in chunks:
+        ns._fold(whole, json.loads(json.dumps(c)))   # a copy: _fold keeps what it is given
+    return chunks, whole
+
+
+@pytest.mark.parametrize("fmt", PARSER_CASES)
+def test_tool_call_parsers(fmt, smol_llm):
+    """Each format's parser: content, calls and finish_reason as OpenAI has them, the same
+    whether the text comes whole or in pieces of 1, 3 or 7 characters (markup split anywhere),
+    no markup in any content delta; and the format's grammar accepts every complete answer."""
+    tools = [WEATHER, TIME]
+    key = ns.TOOL_CALL_FORMATS[fmt][2]
+    lark = smol_llm.front.tool_call_grammar(fmt, ns._tool_call_schema(tools, "auto", key), True)
+    grammar = smol_llm.front.grammar(lark, True)
+    tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"))
+    for text, finish, content, calls in PARSER_CASES[fmt]:
+        _, whole = parse_stream(fmt, [text], finish)
+        message = whole["delta"]
+        got = [(c["function"]["name"], c["function"]["arguments"])
+               for c in message.get("tool_calls", [])]
+        assert (message["content"], got) == (content, calls), (text, message)
+        assert whole["finish_reason"] == ("tool_calls" if calls and finish == "stop" else finish)
+        assert all(c["id"].startswith("call_") and c["type"] == "function"
+                   for c in message.get("tool_calls", []))
+        for size in (1, 3, 7):
+            chunks, streamed = parse_stream(fmt, [text[i:i + size] for i in
+                                                  range(0, len(text), size)], finish)
+            for c in streamed["delta"].get("tool_calls", []):
+                c["id"] = None
+            for c in message.get("tool_calls", []):
+                c["id"] = None
+            assert streamed == whole, (size, text)
+            sent = [c["delta"].get("content") or "" for c in chunks]
+            assert not any(m in s for s in sent for m in ("<tool_call>", "</tool_call>")), sent
+            firsts = [tc for c in chunks for tc in c["delta"].get("tool_calls", []) if "id" in tc]
+            assert [tc["function"]["name"] for tc in firsts] == [name for name, _ in calls]
+        if finish == "stop":                       # what the grammar lets the model write
+            matcher = llguidance.LLMatcher(tokenizer, grammar)
+            assert matcher.consume_tokens(tokenizer.tokenize_str(text)), (text, matcher.get_error())
+            assert matcher.is_accepting(), text
+
+
+HERMES_TEMPLATE = (   # a Qwen2.5-like template: it renders the tools and earlier calls itself
+    "{% if tools %}<|im_start|>system\nTools:\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools>\nCall one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n"
+    "</tool_call><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+LLAMA_TEMPLATE = (   # a Llama-3.1-like template: tools in the user turn, calls as bare JSON
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if tools and loop.last %}Answer with "
+    "{\"name\": function name, \"parameters\": dictionary of arguments}, or in text. Functions:"
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n{% endif %}{% for c in m.tool_calls or [] "
+    "%}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+# logit_bias on the tokens of "<tool_call>" (or "{" for Llama's calls) makes the small model open
+# a call; from there the grammar writes it (the bias stays: "_" is each string's likeliest letter)
+OPEN_A_CALL = {"hermes": {"44": 100, "19324": 100, "79": 100, "4350": 100, "46": 100},
+               "llama3": {"107": 100, "39428": 100, "79": 100}}
+
+
+def test_tool_call_format_detection(tmp_path):
+    """The format is read from the chat template; the flag overrides it."""
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).symlink_to(os.path.join(SMOL_DIR, name))
+    smol = json.loads(open(os.path.join(SMOL_DIR, "tokenizer_config.json")).read())
+    for template, flag, fmt in [(HERMES_TEMPLATE, "auto", "hermes"),
+                                (LLAMA_TEMPLATE, "auto", "llama3"),
+                                (smol["chat_template"], "auto", "hermes"),   # renders no tools
+                                (HERMES_TEMPLATE, "llama3", "llama3")]:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        cfg = Config(model=str(tmp_path), device="cpu", tool_call_parser=flag)
+        assert ns.FrontEnd(cfg, 1).tool_call_format == fmt, (template[:40], flag)
+
+
+def test_auto_tool_calls(engine, client):
+    """tool_choice "auto" on the small model: with templates that render tools (given here, in
+    both formats) and with the model's own, which renders none; a call comes back valid, streamed
+    equal to non-streamed, and the round trip (call, result, answer) renders with the arguments
+    as an object and is answered. Without the bias the model answers in text."""
+    front, messages = engine.front, [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0,
+              max_tokens=60, parallel_tool_calls=False)
+    own = front.chat_template
+    for source, fmt in [(HERMES_TEMPLATE, "hermes"), (None, "hermes"), (LLAMA_TEMPLATE, "llama3")]:
+        template = ns.ChatTemplate({"chat_template": source}) if source else own
+        front.chat_template, front.tool_call_format = template, fmt
+        try:
+            r = client.chat.completions.create(logit_bias=OPEN_A_CALL[fmt], **kw).choices[0]
+            chunks = list(client.chat.completions.create(stream=True, logit_bias=OPEN_A_CALL[fmt],
+                                                         **kw))
+            text = client.chat.completions.create(**{**kw, "max_tokens": 8}).choices[0]
+            turns = [*messages, r.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": r.message.tool_calls[0].id,
+                      "content": "sunny, 21 degrees"}]
+            prompt = template.render(ns._messages(turns, {}), [WEATHER, TIME])
+            answer = client.chat.completions.create(**{**kw, "messages": turns, "max_tokens": 8})
+        finally:
+            front.chat_template, front.tool_call_format = own, "hermes"
+        print("auto:", r.message.tool_calls, "| text:", text.message)
+        assert r.finish_reason == "tool_calls" and r.message.content is None
+        calls = [(c.function.name, check_weather_call(c, c.function.name))
+                 for c in r.message.tool_calls]
+        streamed = {}
+        for c in chunks:
+            for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                streamed.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments
+        assert [(n, json.loads(a)) for n, a in streamed.values()] == calls
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert text.message.tool_calls is None and text.message.content
+        call, key = r.message.tool_calls[0], ns.TOOL_CALL_FORMATS[fmt][2]
+        assert f'"{key}": {json.dumps(json.loads(call.function.arguments))}' in prompt, prompt
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
@@ -1800,7 +1950,11 @@ BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
      "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]},   # auto
+     "tools[0].function.name"),
+    ({"messages": [{"role": "tool", "content": "21 degrees"}]}, "messages"),   # no tool_call_id
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": "f"}]}]},
+     "messages"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 3}}},
      "tool_choice.function.name"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
@@ -1825,15 +1979,28 @@ def test_structured_output_bad_input_is_a_400(server):
 def test_constrained_rows_in_the_engine(smol_llm):
     """Offline: unconstrained requests batched with constrained ones are token
     for token what they are alone; a constrained request preempted and
-    recomputed comes out as it does without preemption."""
+    recomputed comes out as it does without preemption. An "auto" tool row (free
+    text, strict from its trigger on) is one more constrained row."""
     grammar = smol_llm.front.grammar(json.dumps(PERSON))
     prompt = smol_llm.front.chat_template.render(ASK_PERSON)
     constrained = [ns.SamplingParams(temperature=t, seed=3, max_tokens=200, grammar=grammar)
                    for t in (0, 1.0)]
+    tools = [WEATHER, TIME]
+    auto = ns.SamplingParams(temperature=0, max_tokens=60, logit_bias=OPEN_A_CALL["hermes"],
+                             grammar=smol_llm.front.grammar(smol_llm.front.tool_call_grammar(
+                                 "hermes", ns._tool_call_schema(tools, "auto"), False), True))
+    ask_weather = [{"role": "user", "content": "What is the weather in Paris?"}]
     alone = smol_llm.generate(SMOL_PROMPTS[:2], GREEDY)
-    mixed = smol_llm.generate([prompt, SMOL_PROMPTS[0], prompt, SMOL_PROMPTS[1]],
-                              [constrained[0], GREEDY, constrained[1], GREEDY])
+    mixed = smol_llm.generate([prompt, SMOL_PROMPTS[0], prompt, SMOL_PROMPTS[1],
+                               smol_llm.front.chat_template.render(ask_weather, tools)],
+                              [constrained[0], GREEDY, constrained[1], GREEDY, auto])
     assert [mixed[1].token_ids, mixed[3].token_ids] == [o.token_ids for o in alone]
+    content, [(name, arguments)] = ns.split_tool_calls(ns.TOOL_CALL_FORMATS["hermes"],
+                                                       mixed[4].text, True)
+    print("auto row:", repr(mixed[4].text))
+    assert content == "" and mixed[4].finish_reason == "stop"
+    check_weather_call(types.SimpleNamespace(type="function", id="call_", function=types.
+        SimpleNamespace(name=name, arguments=arguments)), name)
     for o in (mixed[0], mixed[2]):
         check_person(o.text)
         assert o.finish_reason == "stop"
