@@ -450,7 +450,7 @@ class SamplingBatch:
     needs_top_k_top_p: bool
     max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
     logit_edits: Optional[tuple] = None  # see apply_logit_edits; None: no row has any
-    allowed: Optional[tuple] = None   # see apply_token_mask; None: no row has a grammar
+    allowed: Optional[tuple] = None   # see pa.apply_token_mask; None: no grammar
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
     """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token).
@@ -462,12 +462,6 @@ def apply_logit_edits(logits, edits):                        # (B, V) fp32
     x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
     x = x - penalty                            # then OpenAI's presence and frequency penalties
     return logits.index_put((rows, ids), x)
-
-def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
-    """-inf for tokens a row's grammar forbids next: bit j of int32 word i allows token 32 i + j."""
-    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
-    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
-    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, -math.inf))
 
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
     """Set every logit outside a row's top-k and top-p set to -inf."""
@@ -489,7 +483,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         and batch.allowed is None
     raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
     logits = raw if batch.logit_edits is None else apply_logit_edits(raw, batch.logit_edits)
-    logits = logits if batch.allowed is None else apply_token_mask(logits, *batch.allowed)
+    logits = logits if batch.allowed is None else pa.apply_token_mask(logits, *batch.allowed)
     tokens = pa.argmax_rows(logits)                        # (B,), the greedy choice
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
@@ -940,7 +934,7 @@ class ModelRunner:
             logit_edits=self.logit_edits(seqs), allowed=self.token_masks(seqs))
 
     def token_masks(self, seqs: list) -> Optional[tuple]:
-        """apply_token_mask's rows and bitmasks: each constrained row's matcher
+        """pa.apply_token_mask's rows and bitmasks: each constrained row's matcher
         (which has seen every token so far) writes which tokens may come next."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
@@ -1040,13 +1034,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def capture_cuda_graphs(self):
-        S, T = self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens
-        decode, mixed, n = {1, 2, 4, 8, *range(16, S + 1, 16), S}, {*range(16, 257, 16), T}, 256
-        while n < T:
-            n += 2 ** (n.bit_length() - 4)     # an eighth of the last power of two
-            mixed.add(n)
-        self.graph_sizes = {True: sorted(n for n in decode if n <= S),
-                            False: sorted(n for n in mixed if n <= T)}
+        S = self.cfg.max_num_seqs
+        self.graph_sizes = pa.cuda_graph_sizes(S, self.cfg.max_num_batched_tokens)
         keys = sorted(((kind, n) for kind in (True, False) for n in self.graph_sizes[kind]),
                       key=lambda key: -key[1])   # largest first: the others reuse its memory
         b, pool = self.buffers, None           # one memory pool, shared by every graph
@@ -1264,8 +1253,7 @@ def load_tokenizer(model_dir: str):
 
 @dataclass
 class Delta:
-    """What a request got since the last Delta taken from it. The server takes
-    one per change: a stream sends each, a non-streamed response joins them."""
+    """What a request got since the last Delta taken: a stream sends each, a body joins them."""
     index: int                        # which of a server request's choices
     text: str                         # new text that is safe to send (may be "")
     token_ids: list                   # the new tokens
@@ -1274,8 +1262,7 @@ class Delta:
     prompt_logprobs: Optional[list]   # on the first one, if asked
 
 class RequestState:
-    """One request as the front end sees it: its tokens so far and their
-    text. LLM.generate returns these, finished (vLLM's RequestOutput)."""
+    """One request as the front end sees it; LLM.generate returns these (vLLM's RequestOutput)."""
 
     def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams,
                  incremental: bool, index: int = 0):
@@ -1292,8 +1279,7 @@ class RequestState:
         self.last_token_time, self.num_timed_tokens = None, 0   # the server's latency clock
 
     def take_delta(self) -> Delta:
-        """Everything new since the last call. The text holds back a tail that
-        could still grow into a stop string, until the request finishes."""
+        """All new since the last call; until the end, less a tail that could grow into a stop."""
         hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
         end = max(self.num_sent_chars, len(self.text) - hold)
         n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
@@ -1305,11 +1291,10 @@ class RequestState:
 def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
 
-# How each model family writes a tool call, for tool_choice "auto": JSON {"name": ..., KEY:
-# {...}} between an opening and a closing; and the Lark grammar (llguidance's) of a whole answer,
-# SCHEMA standing for the calls' JSON schema. The text is free until its trigger (the opening's
-# tag; for Llama, "{" as the answer's first character), and strict from there. A lazy lexeme
-# ends as soon as it matches: so "<tool_call>" ends the free text. Llama's <|python_tag|>
+# How each model family writes a tool call, for tool_choice "auto": {"name": ..., KEY: {...}}
+# between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
+# standing for the calls' JSON schema: free text until the trigger (the opening's tag, which a
+# lazy lexeme ends at once; for Llama, "{" first), strict from there. Llama's <|python_tag|>
 # (a special token, which the decoder drops) opens its built-in tools: left out.
 TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
     "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
@@ -1343,9 +1328,8 @@ def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
     return out
 
 class ChatTemplate:
-    """The model's own chat template (tokenizer_config.json), rendered as transformers renders it.
-    The template is code shipped with the checkpoint, so it runs in jinja2's sandbox; blocks are
-    trimmed, and the helpers that templates call (raise_exception, strftime_now) exist."""
+    """The model's chat template (tokenizer_config.json), rendered as transformers does: it is code
+    from the checkpoint, so in jinja2's sandbox; blocks trimmed; raise_exception, strftime_now."""
 
     def __init__(self, tokenizer_config: dict):
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -1376,13 +1360,11 @@ class FrontEnd:
         self.cfg, self.num_blocks = cfg, num_blocks
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate(tokenizer_config)
-        # "auto" calls are read in the flag's format, else in the one the template writes: Llama's
-        # if it has <|python_tag|> or "parameters" and no <tool_call>; else Hermes's, which is also
-        # how tools are described to a model whose template renders none (_tools_as_text)
-        source = self.chat_template.source
-        self.tool_call_format = cfg.tool_call_parser if cfg.tool_call_parser != "auto" else \
-            "llama3" if "<tool_call>" not in source and ("<|python_tag|>" in source
-                                                         or '"parameters"' in source) else "hermes"
+        # "auto" calls: the flag's format, else Llama's if the template writes <|python_tag|> or
+        # "parameters" and no <tool_call>, else Hermes's (also what _tools_as_text asks for)
+        src, flag = self.chat_template.source, cfg.tool_call_parser
+        llama = "<tool_call>" not in src and ("<|python_tag|>" in src or '"parameters"' in src)
+        self.tool_call_format = flag if flag != "auto" else "llama3" if llama else "hermes"
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
@@ -1399,12 +1381,17 @@ class FrontEnd:
             raise ValueError(f"the schema cannot be compiled: {error}")
         return grammar
 
-    def tool_call_grammar(self, fmt: str, schema: dict, parallel: bool) -> str:
-        """The grammar of an answer in a TOOL_CALL_FORMATS format whose calls fit the schema,
-        in json.dumps' spacing, which models are trained on; one call at most unless parallel."""
-        lark = TOOL_CALL_FORMATS[fmt][3].replace(" (SEP call)*", " (SEP call)*" if parallel else "")
+    def tool_call_grammar(self, fmt: str, tools: list, choice: str, parallel: bool) -> str:
+        """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
+        or the one named, spaced as json.dumps (as models are trained), one unless parallel."""
+        key, lark = TOOL_CALL_FORMATS[fmt][2:]
         schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                                 "item_separator": ", "}, **schema}
+                                 "item_separator": ", "}, "anyOf": [
+            {"type": "object", "required": ["name", key], "additionalProperties": False,
+             "properties": {"name": {"const": t["function"]["name"]},
+                            key: t["function"].get("parameters", {"type": "object"})}}
+            for t in tools if choice in ("auto", "required", t["function"]["name"])]}
+        lark = lark if parallel else lark.replace(" (SEP call)*", "")
         return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
 
     # -- requests in --
@@ -1553,13 +1540,10 @@ class LLM:
 # Engine core process
 # Behind the server the engine core runs in its own process's main thread, so
 # no per-request Python work (JSON, SSE, detokenizing) competes with the step
-# loop for the GIL. Two pipes join it to the server. In: a list of
-# EngineCoreRequests, or an EngineCoreAbort. Out: once, its stats when ready
-# (or a string: why it failed to start), then one EngineCoreOutputs per turn of
-# its loop (empty if no step ran). The server closing the inbox stops it. Both
-# ends are here: run_engine_core (in its process) and EngineCoreClient (in the
-# server's), which hands each step's outputs to the waiting HTTP handlers (read
-# next: the Server section's OpenAIServer._respond, _Shape.chunks and .stream).
+# loop for the GIL. Pipes in: [EngineCoreRequest] or EngineCoreAbort; out: its
+# stats once ready (or why it failed), then an EngineCoreOutputs per turn of
+# its loop. Closing the inbox stops it. Who consumes EngineCoreClient.generate
+# is read next: OpenAIServer._respond, _Shape.chunks and .stream (Server).
 
 @dataclass
 class EngineCoreAbort:
@@ -1613,11 +1597,10 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 
 class EngineCoreClient:
-    """The server's side of the engine core: it starts the process, sends it requests and aborts
-    from the event loop, and receives its outputs on a thread that passes them to the loop. There
-    each step's outputs go through the FrontEnd, and every changed request is put on its queue: if
-    the loop falls behind, several steps' tokens arrive at once. It knows no HTTP: a failed request
-    ends with finish_reason "error", and `error` says why the engine core is gone, if it is."""
+    """Starts the engine core process; sends it requests and aborts from the event loop; receives
+    on a thread, then on the loop puts each step's outputs through the FrontEnd and every changed
+    request on its queue (a loop that falls behind gets several steps' tokens at once). It knows
+    no HTTP: a failed request ends with finish_reason "error"; `error` says why the core is gone."""
 
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
@@ -1657,9 +1640,8 @@ class EngineCoreClient:
 
     async def generate(self, requests: list):
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
-        RequestState whenever it changes, until each has a finish_reason. However the caller
-        stops (done, client gone, error), the `finally` aborts what still runs, so its KV
-        blocks are freed at the next step, not after max_tokens."""
+        RequestState at each change until all finish. However the caller stops (done, client
+        gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
@@ -1684,9 +1666,9 @@ class EngineCoreClient:
             self.sender.submit(self.inbox.send, EngineCoreAbort(request_ids))
 
     def receive(self, loop: asyncio.AbstractEventLoop):
-        """The receiving thread, started with the server's event loop: it blocks on the pipe
-        without the GIL and hands `loop` every message that has arrived, in one call (a reader
-        on the loop would need the pipe non-blocking, as uvloop makes it: messages in pieces)."""
+        """The receiving thread (started with the event loop): blocks on the pipe without the GIL,
+        hands `loop` all that has arrived in one call (a reader on the loop would need the pipe
+        non-blocking, as uvloop makes it: messages in pieces)."""
         self.loop = loop
         with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
             try:
@@ -1746,12 +1728,11 @@ class EngineCoreClient:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, with one
-# way to do each thing: a request is parsed against its endpoint's table of
-# fields; tokenized in a thread (tokenizers drops the GIL); sent down the pipe
-# by EngineCoreClient.generate, which yields its RequestStates as steps come
-# back; and shaped by its endpoint's _Shape into chunks. A stream sends each
-# chunk as a server-sent event; a non-streamed response folds them into one.
+# An OpenAI-compatible HTTP API on Starlette, in the server process, one way
+# to do each thing: a request is parsed against its endpoint's table of fields,
+# tokenized in a thread, sent by EngineCoreClient.generate (which yields its
+# RequestStates as steps come back), and shaped by its endpoint's _Shape into
+# chunks: each an SSE event, or for a non-streamed response folded into one.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1762,20 +1743,13 @@ class APIError(Exception):
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
 
-# -- request parsing: each endpoint has one table of the fields it takes. A field is checked
-# the same way everywhere: its JSON type, then its own rule if it has one (rules also fill in
-# defaults); any failure is a 400 that names the field --
+# -- request parsing: each endpoint has one table of its fields, each checked for its JSON type,
+# then by its own rule if any (rules also fill in defaults); a failure is a 400 naming it --
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
     if not (isinstance(v, list) and all(isinstance(s, str) and s for s in v)):
         raise ValueError("must be a non-empty string or a list of them")
-    return v
-
-def _n(v, f) -> int:
-    v = 1 if v is None else v
-    if not 1 <= v <= 128:             # OpenAI's limit
-        raise ValueError(f"must be in [1, 128], got {v}")
     return v
 
 def _prompt(v, f) -> list:
@@ -1821,9 +1795,8 @@ def _call_with_object(call) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 def _rule(ok, why: str):
-    """A rule that checks: a 400 saying why unless ok(value, fields). A field the API defines
-    but nanoserve does not implement is refused unless it asks for nothing new: a client
-    fails loudly, and never gets something else than it asked for."""
+    """A 400 saying why unless ok(value, fields). A field the API defines but nanoserve does not
+    implement is refused unless it asks for nothing new: a client never gets other than it asked."""
     def rule(v, f):
         if not ok(v, f):
             raise ValueError(why)
@@ -1854,17 +1827,9 @@ def _tool_choice(v, f) -> Optional[str]:
         raise ValueError("must be 'none', 'auto', or with 'tools' 'required' or a named function")
     return None if v == "none" or not names else v or "auto"
 
-def _tool_call_schema(tools: list, choice: str, key: str = "arguments") -> dict:
-    """The JSON of a call, {"name", key}, of any tool ("auto", "required") or the one named."""
-    return {"anyOf": [{"type": "object", "required": ["name", key], "additionalProperties": False,
-                       "properties": {"name": {"const": t["function"]["name"]},
-                                      key: t["function"].get("parameters", {"type": "object"})}}
-                      for t in tools if choice in ("auto", "required", t["function"]["name"])]}
-
 def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
-    """The content and the calls ([name, arguments as JSON text]) of an "auto" answer so far.
-    Content is the text before the first call, less a tail that may yet open one or end in
-    whitespace (unless final); a call being written, or cut by max_tokens, has the arguments so
+    """The content (text before the first call, less a tail that may yet open one or end in
+    whitespace, unless final) and calls ([name, arguments as JSON text so far]) of an answer so
     far. Monotone: more text parses to this and more, so a stream sends only what is new."""
     opening, closing, key = fmt[:3]       # a TOOL_CALL_FORMATS entry
     trigger = opening.rstrip()
@@ -1888,7 +1853,8 @@ def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
     return text[:start].rstrip(), calls
 
 _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an object, [..]: an array
-    model=str, max_tokens=int, n=(int, _n), seed=int, stop=(object, _stop), temperature=float,
+    model=str, max_tokens=int, seed=int, stop=(object, _stop), temperature=float,
+    n=(int, _rule(lambda v, f: v is None or 1 <= v <= 128, "must be in [1, 128] (OpenAI's)")),
     top_p=float, top_k=int, logit_bias=dict, presence_penalty=float, frequency_penalty=float,
     repetition_penalty=float, ignore_eos=bool, stream=bool,
     stream_options={"include_usage": bool, "include_obfuscation": bool},
@@ -1898,7 +1864,7 @@ _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an obje
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
 COMPLETION_FIELDS = dict(
     _COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
-    best_of=(int, _rule(lambda v, f: v in (None, f["n"]), "other than 'n' is not supported")),
+    best_of=(int, _rule(lambda v, f: v in (None, f["n"] or 1), "other than 'n' is not supported")),
     suffix=(str, _rule(lambda v, f: not v, "(insertion) is not supported")))
 CHAT_FIELDS = dict(
     _COMMON_FIELDS, messages=(list, _messages), logprobs=bool, top_logprobs=int,
@@ -1914,10 +1880,9 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "ignore_eos", "logit_bias",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def parse_fields(body: dict, spec: dict, path: str = "") -> dict:
-    """The body's fields, checked against spec; a JSON null counts as absent. A field the
-    endpoint does not know is refused, never ignored: it may be one that would have changed the
-    output. An object nested in a field is checked the same way against its own spec, and a 400
-    names the path to the field (stream_options.include_usage, tools[0].function.name)."""
+    """The body's fields, checked against spec (a JSON null is absent). An unknown field is refused,
+    never ignored: it might have changed the output. A nested object is checked against its own
+    spec, and a 400 names the path (stream_options.include_usage, tools[0].function.name)."""
     fields = {}
     for name, value in body.items():
         if name not in spec:
@@ -1962,15 +1927,14 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
     return [SamplingParams(**shared, max_tokens=max_tokens, stop=f["stop"], logprobs=logprobs,
                            prompt_logprobs=prompt_logprobs, grammar=grammar,
                            seed=None if seed is None else (seed + i) % 2**64)
-            for i in range(f["n"])]
+            for i in range(f.get("n", 1))]
 
 # -- response shapes: a stream sends a chunk per Delta; a non-streamed
 # response is those same chunks folded into one body --
 
 class _Shape:
-    """One response being built, whatever its endpoint: ids, envelopes, the chunks, and top
-    log-probs. The engine's log-probs are of the model's own distribution (before temperature
-    and top-p), as OpenAI reports them; JSON has no -inf, so they are clamped."""
+    """One response being built, any endpoint: ids, envelopes, chunks, top log-probs (the model's
+    own, before temperature and top-p, as OpenAI reports them; clamped: JSON has no -inf)."""
     id_prefix = object = chunk_object = ""
 
     def __init__(self, server: "OpenAIServer", num_prompt_tokens: int,
@@ -2043,10 +2007,9 @@ class _Shape:
         yield "data: [DONE]\n\n"
 
     async def collect(self, chunks, request: Request) -> Optional[dict]:
-        """A non-streamed response: each choice's chunks joined (_fold), and a stream's "delta"
-        is then the whole "message". None if the client hangs up first: uvicorn does not cancel
-        a handler whose client has left, so each chunk asks, and closing `chunks` aborts the
-        request (its KV blocks are freed at the next step, not after max_tokens)."""
+        """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
+        the whole "message". None if the client hangs up first: uvicorn does not cancel a handler
+        whose client left, so each chunk asks, and closing `chunks` aborts the request."""
         choices = {}                                       # index -> the whole choice so far
         async with contextlib.aclosing(chunks):
             async for choice in chunks:
@@ -2112,10 +2075,10 @@ class _CompletionShape(_Shape):
         return out
 
 class _ChatShape(_Shape):
-    """The chat shape: a stream opens each choice with the assistant's role, then content deltas,
-    then an empty one with the finish_reason. With tools, each delta's text is parsed
-    (split_tool_calls) into content and tool-call deltas: a call's index, id, type and name,
-    then its arguments in pieces; the finish_reason is "tool_calls" if the model called."""
+    """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
+    empty one with the finish_reason ("tool_calls" if the model called). With tools the text is
+    parsed (split_tool_calls) into content and tool-call deltas: index, id, type, name, then
+    the arguments in pieces."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
@@ -2170,9 +2133,8 @@ class _ChatShape(_Shape):
                             for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
 
 class _EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its generator. Starlette cancels the response when
-    the client disconnects; if that lands between two chunks the generator would wait for the
-    garbage collector, and only closing it runs its `finally` (which aborts the request) now."""
+    """A StreamingResponse that always closes its generator: a disconnect between two chunks would
+    leave it to the garbage collector, and only closing it runs its `finally` (the abort) now."""
     media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send):
@@ -2260,8 +2222,7 @@ class OpenAIServer:
         tool = f.get("tool_choice")     # None, "auto", "required" or a name; a call wins
         fmt = tool and (self.front.tool_call_format if tool == "auto" else "json")
         grammar = await self._grammar(self.front.tool_call_grammar(
-            fmt, _tool_call_schema(f["tools"], tool, TOOL_CALL_FORMATS[fmt][2]),
-            f.get("parallel_tool_calls", True)), "tools") if tool else \
+            fmt, f["tools"], tool, f.get("parallel_tool_calls", True)), "tools") if tool else \
             await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
@@ -2336,9 +2297,9 @@ class OpenAIServer:
         return Response(status_code=499) if body is None else JSONResponse(body)
 
 async def _error_response(request: Request, e: Exception) -> Response:
-    """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and
-    crashes, whose traceback Starlette logs while the client gets one line. After a 413 or a
-    5xx the connection is closed, and says so, so that a pooled client opens a fresh one."""
+    """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
+    (logged; the client gets one line). A 413 or 5xx closes the connection, saying so, so that a
+    pooled client opens a fresh one."""
     if isinstance(e, HTTPException):
         e = APIError(e.status_code, e.detail)
     elif not isinstance(e, APIError):

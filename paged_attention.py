@@ -1185,7 +1185,8 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
 # the pool; attend reads the pool through the step's AttentionMetadata, as
 # decode when every sequence brings one token); every layer `norm` and
 # `linear` (the Triton kernels on the GPU, the torch references on the CPU);
-# and the sampler `argmax_rows` (a reduction split for a lone row's sake).
+# the sampler's `argmax_rows` (a reduction split for a lone row's sake) and
+# `apply_token_mask`; and the CUDA graphs' sizes (`cuda_graph_sizes`).
 
 
 def _attend_with(decode, prefill):
@@ -1244,3 +1245,24 @@ def argmax_rows(logits):                                      # (B, V)
     best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
     chunk = best.argmax(dim=-1, keepdim=True)                 # (B, 1)
     return (chunk * (V // 64) + idx.gather(1, chunk)).squeeze(1)
+
+
+def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
+    """-inf for tokens a row's grammar forbids next: bit j of int32 word i allows token 32 i + j.
+    The bits are unpacked on the device, so a step copies V / 8 bytes per constrained row."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+
+
+def cuda_graph_sizes(max_num_seqs, max_num_batched_tokens):
+    """The sizes nanoserve captures a CUDA graph for, ascending, by kind (True: decode, in
+    sequences; False: steps with prompt tokens, in tokens). A step replays the next size up,
+    so the sizes trade padding against capture time and memory: decode 1, 2, 4, 8, then every
+    16; prompt steps every 16 up to 256, then 8 sizes per doubling."""
+    S, T, n = max_num_seqs, max_num_batched_tokens, 256
+    decode, mixed = {1, 2, 4, 8, *range(16, S + 1, 16), S}, {*range(16, 257, 16), T}
+    while n < T:
+        n += 2 ** (n.bit_length() - 4)     # an eighth of the last power of two
+        mixed.add(n)
+    return {True: sorted(n for n in decode if n <= S), False: sorted(n for n in mixed if n <= T)}
