@@ -14,8 +14,9 @@ owns in order. This file holds the kernels that touch that pool:
                              also serves chunked prefill and decode rows
     rope_store_kvcache       RoPE on q and k fused into store_kvcache
     rms_norm, silu_and_mul   the layers' elementwise steps, one launch each
-    ATTENTION                which of these (or of the torch versions) the
-                             engine calls: one (rope_store, attend) pair each
+    ATTENTION, norm, linear  which of these (or of the torch versions) the
+                             engine calls, chosen in the last section, with
+                             the sampler's argmax_rows and apply_token_mask
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
