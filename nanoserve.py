@@ -31,7 +31,7 @@ cross back as EngineCoreOutputs, and the FrontEnd turns them into text for the H
 from __future__ import annotations
 
 import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, functools, hmac, json, math
-import multiprocessing, os, re, signal, socket, sys, threading, time, traceback, uuid
+import multiprocessing, os, queue, re, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -1540,7 +1540,7 @@ class LLM:
 # Engine core process
 # Behind the server the engine core runs in its own process's main thread, so
 # no per-request Python work (JSON, SSE, detokenizing) competes with the step
-# loop for the GIL. Pipes in: [EngineCoreRequest] or EngineCoreAbort; out: its
+# loop for the GIL. Pipes in: lists of EngineCoreRequest and EngineCoreAbort; out: its
 # stats once ready (or why it failed), then an EngineCoreOutputs per turn of
 # its loop. Closing the inbox stops it. Who consumes EngineCoreClient.generate
 # is read next: OpenAIServer._respond, _Shape.chunks and .stream (Server).
@@ -1575,17 +1575,17 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         except (EOFError, OSError):           # the server closed its end, or is gone
             return
         outputs = []
-        for message in messages:
-            if isinstance(message, EngineCoreAbort):
-                for request_id in message.request_ids:
+        for item in (item for message in messages for item in message):   # in the order sent
+            if isinstance(item, EngineCoreAbort):
+                for request_id in item.request_ids:
                     core.abort_request(request_id)
-            for request in message if isinstance(message, list) else []:
-                try:
-                    core.add_request(request)
-                except Exception as e:        # fails only this request
-                    traceback.print_exc()
-                    outputs.append(EngineCoreOutput(request.request_id, None, finish_reason="error",
-                                                    error=f"add_request failed: {e!r}"))
+                continue
+            try:
+                core.add_request(item)
+            except Exception as e:            # fails only this request
+                traceback.print_exc()
+                outputs.append(EngineCoreOutput(item.request_id, None, finish_reason="error",
+                                                error=f"add_request failed: {e!r}"))
         if core.has_unfinished():
             try:
                 outputs += core.step()
@@ -1620,7 +1620,9 @@ class EngineCoreClient:
         self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
         self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
         # Sends go via one thread, in order: the event loop never blocks on a pipe full mid-step
-        self.sender = ThreadPoolExecutor(max_workers=1)
+        self.outgoing = queue.SimpleQueue()          # requests and aborts; None: close the pipe
+        self.sender = threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True)
+        self.sender.start()
         # /metrics: latency histograms observed here; the engine core's counters (collect)
         self.metrics = prometheus_client.CollectorRegistry()
         self.metrics.register(self)
@@ -1632,8 +1634,8 @@ class EngineCoreClient:
             buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10], registry=self.metrics)
 
     def shutdown(self):
-        self.sender.submit(self.inbox.close)   # after the sends queued before: EOF over there
-        self.sender.shutdown()
+        self.outgoing.put(None)                # after the sends queued before: EOF over there
+        self.sender.join()
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
@@ -1650,7 +1652,8 @@ class EngineCoreClient:
         try:
             if self.error:                          # died since the handler checked
                 self._fail_all()
-            self.sender.submit(self.inbox.send, requests)   # a dead process: receive says so
+            for request in requests:                # a dead process: receive says so
+                self.outgoing.put(request)
             yield None                              # sent (OpenAIServer._respond)
             while unfinished:
                 state = await changed.get()
@@ -1665,7 +1668,19 @@ class EngineCoreClient:
 
     def _abort(self, request_ids: list):
         if request_ids and not self.error:
-            self.sender.submit(self.inbox.send, EngineCoreAbort(request_ids))
+            self.outgoing.put(EngineCoreAbort(request_ids))
+
+    def _send_all(self):
+        """The sending thread: each message takes all that waits. One message per request, at a
+        burst, queued each behind the last for the GIL, which the busy event loop holds."""
+        items = []
+        with contextlib.suppress(OSError):     # the engine core is gone: receive says so
+            while None not in items:           # None: shut down, after all queued before it
+                items = [self.outgoing.get()]
+                while not self.outgoing.empty():
+                    items.append(self.outgoing.get())
+                self.inbox.send([item for item in items if item is not None])
+        self.inbox.close()
 
     def receive(self, loop: asyncio.AbstractEventLoop):
         """The receiving thread (started with the event loop): blocks on the pipe without the GIL,
