@@ -250,6 +250,32 @@ def test_chunked_prefill_equals_whole_prefill(smol_llm):
     check_pool_is_free(chunked.engine)
 
 
+def test_decodes_wait_at_a_burst(smol_llm):
+    """While the prompts waiting fill whole steps, running sequences decode only every
+    DECODES_EVERY-th step (the Scheduler's burst rule), and the output is as without it."""
+    whole = smol_llm.generate(SMOL_PROMPTS, GREEDY)      # a budget of 8,192: the rule never applies
+    llm = ns.LLM(SMOL_DIR, device="cpu", num_blocks=256, max_num_batched_tokens=16,
+                 max_num_seqs=16, enable_prefix_caching=False)
+    scheduler, steps = llm.engine.scheduler, []          # (a burst?, step number, decodes run)
+    schedule = scheduler.schedule
+
+    def recorded():
+        burst = sum(seq.num_tokens for seq in scheduler.waiting) >= 16
+        batch = schedule()
+        decodes = sum(n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                      for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        steps.append((burst, scheduler.num_steps, decodes))
+        return batch
+    scheduler.schedule = recorded
+    outs = llm.generate(SMOL_PROMPTS * 3, GREEDY)         # 12 prompts: a backlog of whole steps
+    assert [o.token_ids for o in outs] == [o.token_ids for o in whole] * 3
+    waited = [d for burst, i, d in steps if burst and i % ns.DECODES_EVERY]
+    rode = [d for burst, i, d in steps if burst and not i % ns.DECODES_EVERY]
+    assert waited and not any(waited), "a decode ran while prompts filled the step"
+    assert any(rode), "decodes never rode along with the burst"
+    check_pool_is_free(llm.engine)
+
+
 def test_preemption_keeps_output(smol_llm):
     whole = smol_llm.generate(SMOL_PROMPTS, GREEDY)
     # 4 sequences of up to 47 tokens need 12+ blocks of 8 at the end: 9 cannot hold them.
