@@ -1972,6 +1972,7 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
 
 # -- response shapes: a stream sends a chunk per Delta; a non-streamed
 # response is those same chunks folded into one body --
+_to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
 
 class _Shape:
     """One response being built, any endpoint: ids, envelopes, chunks, top log-probs (the model's
@@ -2011,17 +2012,16 @@ class _Shape:
         """The choice of every chunk, from client.generate's RequestStates: one
         per Delta with news, then one that carries the finish_reason."""
         async with contextlib.aclosing(states):
-            for i in range(n):
-                for choice in self.opening(i):
-                    yield choice
+            for choice in [c for i in range(n) for c in self.opening(i)]:
+                yield choice
             async for state in states:
                 d = state.take_delta()
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
                 self.num_completion_tokens += len(d.token_ids)
-                news = self.has_news(d) and self.choice(dataclasses.replace(d, finish_reason=None))
+                news = self.has_news(d) and self.choice(d)
                 if news and (news.get("delta") != {} or news["logprobs"]):   # tools hold back
-                    yield news
+                    yield news | {"finish_reason": None}       # that is the last chunk's to say
                 if d.finish_reason is not None:   # (an echo not sent yet goes with it)
                     yield self.last(state, d)
 
@@ -2032,19 +2032,19 @@ class _Shape:
     async def stream(self, chunks, include_usage: bool):
         """Server-sent events, OpenAI's stream framing: `data: {json}` per chunk, then `data:
         [DONE]`. An error after the first byte is an event too: the status line is gone."""
-        def sse(body: dict) -> str:
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
-                    yield sse(self.envelope(self.chunk_object, [choice]))
+                    yield f"data: {head}{_to_json(choice)}]}}\n\n"
                 if include_usage:
-                    yield sse(self.envelope(self.chunk_object, [], usage=True))
+                    yield f"data: {_to_json(self.envelope(self.chunk_object, [], usage=True))}\n\n"
             except APIError as e:
-                yield sse(e.body)
+                yield f"data: {_to_json(e.body)}\n\n"
             except Exception as e:
                 traceback.print_exc()
-                yield sse(APIError(500, f"internal error: {e!r}", "internal_error").body)
+                error = APIError(500, f"internal error: {e!r}", "internal_error")
+                yield f"data: {_to_json(error.body)}\n\n"
         yield "data: [DONE]\n\n"
 
     async def collect(self, chunks, request: Request) -> Optional[dict]:
