@@ -50,7 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 import paged_attention as pa
@@ -2029,23 +2029,23 @@ class _Shape:
         """The chunk that carries the finish_reason."""
         return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
 
-    async def stream(self, chunks, include_usage: bool):
-        """Server-sent events, OpenAI's stream framing: `data: {json}` per chunk, then `data:
-        [DONE]`. An error after the first byte is an event too: the status line is gone."""
+    async def stream(self, chunks, include_usage: bool, write):
+        """OpenAI's stream: each event's data (a chunk's JSON, then `[DONE]`) goes to `write`.
+        An error after the first byte is an event too: the status line is gone."""
         head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
-                    yield f"data: {head}{_to_json(choice)}]}}\n\n"
+                    await write(f"{head}{_to_json(choice)}]}}")
                 if include_usage:
-                    yield f"data: {_to_json(self.envelope(self.chunk_object, [], usage=True))}\n\n"
+                    await write(_to_json(self.envelope(self.chunk_object, [], usage=True)))
             except APIError as e:
-                yield f"data: {_to_json(e.body)}\n\n"
+                await write(_to_json(e.body))
             except Exception as e:
                 traceback.print_exc()
                 error = APIError(500, f"internal error: {e!r}", "internal_error")
-                yield f"data: {_to_json(error.body)}\n\n"
-        yield "data: [DONE]\n\n"
+                await write(_to_json(error.body))
+        await write("[DONE]")
 
     async def collect(self, chunks, request: Request) -> Optional[dict]:
         """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
@@ -2173,16 +2173,34 @@ class _ChatShape(_Shape):
         return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
                             for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
 
-class _EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its generator: a disconnect between two chunks would
-    leave it to the garbage collector, and only closing it runs its `finally` (the abort) now."""
-    media_type = "text/event-stream"
+@dataclass
+class _EventStream:
+    """A stream's ASGI response: `stream(write)` writes each event as it comes, one `send` each.
+    A task of its own listens for the client leaving, then cancels the writing: `stream` closing
+    its chunks runs their `finally` (the abort) now, not when the garbage collector gets to it."""
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
+    stream: functools.partial         # _Shape.stream, given its chunks: awaits write(data)
 
     async def __call__(self, scope, receive, send):
+        async def write(data: str):       # server-sent events' framing
+            body = f"data: {data}\n\n".encode()
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        async def listen():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            writer.cancel()
+        writer, listener = asyncio.current_task(), asyncio.create_task(listen())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await self.stream(write)
+            await send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:
+            if listener.cancelled() or not listener.done():   # not the client: the server stops
+                raise
+            writer.uncancel()
         finally:
-            await self.body_iterator.aclose()
+            listener.cancel()
 
 # -- the app --
 
@@ -2336,8 +2354,7 @@ class OpenAIServer:
         chunks = shape.chunks(states, len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return _EventStream(shape.stream(chunks, include_usage),   # nginx: pass it unbuffered
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(functools.partial(shape.stream, chunks, include_usage))
         body = await shape.collect(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
