@@ -570,15 +570,13 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 # Every step the scheduler decides which sequences run and how many of their
 # tokens. The admission rule: running sequences first (a decode is one token,
 # an unfinished prefill a chunk of the token budget), then waiting ones in
-# arrival order while budget, seats (max_num_seqs) and blocks last. Decodes go
-# first because a skipped decode stalls its stream for a whole step, for one
-# token of the budget. Except at a burst: while waiting prompts would fill
-# whole steps, decodes ride along only every DECODES_EVERY-th step. A decode
-# in a step of 8,000 prompt tokens costs about what it costs in a step of its
-# own (its K/V is read either way), so the prompts are prefilled ~10% sooner
-# and streams still move every ~0.1 s. On an H200, 400 requests at once then
-# had their first tokens at p99 1.63-1.73 s instead of 1.89-1.91 s (README).
-# The 1,024 seats hold such a burst at once; 256 left the rest waiting for
+# arrival order while budget, seats (max_num_seqs) and blocks last: a skipped
+# decode would stall its stream for a step, for one token of the budget. At a
+# burst, though (waiting prompts fill whole steps), decodes ride along only
+# every DECODES_EVERY-th step: in a step of 8,000 prompt tokens a decode costs
+# about what it costs in a step of its own (its K/V is read either way), so
+# first tokens come ~10% sooner and streams still move every ~0.1 s (README,
+# Speed). The 1,024 seats seat a burst at once; 256 kept the rest waiting for
 # the first to finish. When the pool runs dry, the most recently admitted
 # sequence is preempted: its blocks are freed and it is recomputed later.
 
@@ -1665,10 +1663,9 @@ class EngineCoreClient:
             self.process.kill()
 
     async def generate(self, requests: list):
-        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each: send them to the
-        engine core and yield None, then yield a choice's RequestState at each change until all
-        finish. However the caller stops (done, client gone, error), `finally` aborts what still
-        runs: its KV blocks free at the next step."""
+        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
+        RequestState at each change until all finish. However the caller stops (done, client
+        gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
@@ -1678,7 +1675,6 @@ class EngineCoreClient:
                 self._fail_all()
             for request in requests:                # a dead process: receive says so
                 self.outgoing.put(request)
-            yield None                              # sent (OpenAIServer._respond)
             while unfinished:
                 state = await changed.get()
                 if state.request_id in unfinished:  # else a late repeat of a finished one
@@ -2346,12 +2342,9 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Sent now, in this handler's turn of the event loop. A stream's body would run a task
-        # later, behind every other request being read: at a burst all of them reached the
-        # engine core together, once the last was read (0.3-0.5 s on an H200 host).
-        states = self.client.generate(choices)
-        await anext(states)
-        chunks = shape.chunks(states, len(choices))
+        # Lazy: the engine core sees nothing until the stream or collect reads the first state,
+        # in this handler's turn of the event loop (_EventStream runs no task of its own for it)
+        chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
             return _EventStream(functools.partial(shape.stream, chunks, include_usage))
