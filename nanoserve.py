@@ -67,9 +67,8 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-
 
 # ---------------------------------------------------------------------------
 # Config
-# One dataclass holds every setting. The engine settings come from the caller
-# (and become CLI flags); the architecture fields are read from the model's
-# config.json in __post_init__, so a Config is always complete and checked.
+# One dataclass holds every setting: the engine's from the caller (each a CLI flag), the
+# architecture's from config.json (__post_init__), so a Config is always complete and checked.
 
 def _flag(default, help: str, flag: Optional[str] = None):
     """A Config or SamplingParams field that is also a CLI flag: add_dataclass_flags (the CLI
@@ -176,9 +175,8 @@ class Config:
 
 # ---------------------------------------------------------------------------
 # Loader
-# Checkpoints use Hugging Face names. The engine's names are the same without
-# "model." and with "attn" for "self_attn", except that it fuses q/k/v into one
-# matmul and gate/up into another: those tensors land in row slices of it.
+# Checkpoints use Hugging Face names; the engine's drop "model." and say "attn" for "self_attn", but
+# it fuses q/k/v into one matmul and gate/up into another: those tensors land in row slices of it.
 
 def engine_name(key: str, cfg: Config) -> tuple[str, slice]:
     """Where a checkpoint tensor lands: (engine parameter, row slice of it)."""
@@ -230,11 +228,10 @@ def load_weights(model: nn.Module, cfg: Config):
 
 # ---------------------------------------------------------------------------
 # Layers
-# RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention
-# over the paged cache, and the SwiGLU MLP. Every layer works on a flat batch
-# of tokens (N_tok, D): sequence boundaries live only in AttentionMetadata.
-# Each kernel (pa.*) is called by what it computes; paged_attention.py picks
-# the implementation (Triton on the GPU, torch on the CPU) in one place.
+# RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
+# and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
+# live only in AttentionMetadata. Each kernel (pa.*) is called by what it computes;
+# paged_attention.py picks the implementation (Triton on the GPU, torch on the CPU) in one place.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -348,10 +345,9 @@ class DecoderLayer(nn.Module):
 
 # ---------------------------------------------------------------------------
 # Model
-# Embedding -> decoder layers -> final norm -> LM head. forward() returns the
-# residual stream for every token of the step; compute_logits() applies the
-# final norm and the LM head only to the rows that are sampled (the last token
-# of each sequence), which at decode batch sizes is one GEMV with the norm fused.
+# Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
+# every token; compute_logits() applies the final norm and the LM head only to the rows sampled
+# (each sequence's last token): at decode batch sizes, one GEMV with the norm fused.
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -385,11 +381,10 @@ def build_model(cfg: Config) -> Model:
 
 # ---------------------------------------------------------------------------
 # Sampler
-# One pass over the whole batch's logits, in this order: logit_bias and the
-# penalties, the grammar masks, then greedy or temperature, top-k and top-p
-# sampling, and the log-probs if asked. Each row carries its own settings, so
-# one request's choices never change another's; a seeded row draws its noise
-# from its own generator. No step waits for the host (no sync).
+# One pass over the whole batch's logits, in this order: logit_bias and the penalties, the grammar
+# masks, then greedy or temperature, top-k and top-p sampling, and the log-probs if asked. Each row
+# carries its own settings, so one request's choices never change another's; a seeded row draws its
+# noise from its own generator. No step waits for the host (no sync).
 
 @dataclass
 class SamplingParams:
@@ -509,10 +504,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
 
 # ---------------------------------------------------------------------------
 # Block allocator
-# The KV pool is cut into blocks of block_size tokens. A block is shared by
-# every sequence whose prefix it holds, so it carries a reference count; a
-# full block is also named by a hash of its whole prefix (prefix caching), and
-# when its last user leaves it stays findable until the pool needs it back.
+# The KV pool is cut into blocks of block_size tokens. A block is shared by every sequence whose
+# prefix it holds, so it has a reference count; a full block is also named by a hash of its whole
+# prefix (prefix caching) and, once unused, stays findable until the pool needs it.
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):
@@ -756,9 +750,9 @@ class Scheduler:
 
 # ---------------------------------------------------------------------------
 # Model runner
-# Turns a scheduled batch into flat tensors, runs the model and samples. On
-# CUDA with the Triton attention, each step replays a CUDA graph captured for
-# its kind and size: one launch for 200 kernels that would leave the GPU idle.
+# Turns a scheduled batch into flat tensors, runs the model and samples. On CUDA with the Triton
+# attention, each step replays a CUDA graph captured for its kind and size: one launch for 200
+# kernels that would leave the GPU idle.
 
 @dataclass
 class StepInputs:
@@ -1080,10 +1074,9 @@ class ModelRunner:
 
 # ---------------------------------------------------------------------------
 # Engine core
-# The step loop: schedule, launch, read back, and hand each sampled token to
-# its sequence. The engine core sees token ids only; text, stop strings and
-# everything else per request live in the front end (next section). Behind
-# the server it runs in a process of its own; LLM.generate runs it in-process.
+# The step loop: schedule, launch, read back, hand each sampled token to its sequence. The engine
+# core sees token ids only; text, stop strings and all else per request live in the front end (next
+# section). It runs in a process of its own behind the server, in-process for LLM.generate.
 
 @dataclass
 class EngineCoreRequest:
@@ -1258,11 +1251,10 @@ class EngineCore:
 
 # ---------------------------------------------------------------------------
 # Requests in, text out
-# The front end: everything per request that the engine core never needs.
-# It renders chat templates, tokenizes, checks a request against the engine's
-# limits, and turns token ids back into text (incremental detokenization, stop
-# strings). It runs in the caller's process: the server's, or the one that
-# calls LLM.generate, which is where the engine core runs too when offline.
+# The front end: everything per request that the engine core never needs. It renders chat templates,
+# tokenizes, checks a request against the engine's limits, and turns token ids back into text
+# (incremental detokenization, stop strings). It runs in the caller's process: the server's, or the
+# one that calls LLM.generate, which is where the engine core runs too when offline.
 
 def load_tokenizer(model_dir: str):
     """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
@@ -1560,12 +1552,11 @@ class LLM:
 
 # ---------------------------------------------------------------------------
 # Engine core process
-# Behind the server the engine core runs in its own process's main thread, so
-# no per-request Python work (JSON, SSE, detokenizing) competes with the step
-# loop for the GIL. Pipes in: lists of EngineCoreRequest and EngineCoreAbort; out: its
-# stats once ready (or why it failed), then an EngineCoreOutputs per turn of
-# its loop. Closing the inbox stops it. Who consumes EngineCoreClient.generate
-# is read next: OpenAIServer._respond, _Shape.chunks and .stream (Server).
+# Behind the server the engine core runs in its own process's main thread, so no per-request Python
+# work (JSON, SSE, detokenizing) competes with its step loop for the GIL. Pipes in: lists of
+# EngineCoreRequest and EngineCoreAbort; out: its stats once ready (or why it failed), then an
+# EngineCoreOutputs per turn. Closing the inbox stops it. EngineCoreClient.generate's consumers:
+# OpenAIServer._respond, _Shape.chunks, .stream.
 
 @dataclass
 class EngineCoreAbort:
@@ -1765,11 +1756,10 @@ class EngineCoreClient:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, one way
-# to do each thing: a request is parsed against its endpoint's table of fields,
-# tokenized in a thread, sent by EngineCoreClient.generate (which yields its
-# RequestStates as steps come back), and shaped by its endpoint's _Shape into
-# chunks: each an SSE event, or for a non-streamed response folded into one.
+# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing: a
+# request is parsed against its endpoint's table of fields, tokenized in a thread, sent by
+# EngineCoreClient.generate (which yields its RequestStates as steps come back), and shaped by its
+# endpoint's _Shape into chunks: each an SSE event, or for a non-streamed response folded into one.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -2388,9 +2378,8 @@ def serve(cfg: Config):
 
 # ---------------------------------------------------------------------------
 # CLI
-# `generate` streams one completion to the terminal; `serve` starts the HTTP
-# server. Flags are generated from the Config and SamplingParams fields, so
-# a new setting needs no parser code.
+# `generate` streams one completion to the terminal; `serve` starts the HTTP server. Flags are
+# generated from the Config and SamplingParams fields, so a new setting needs no parser code.
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
     for f in dataclasses.fields(cls):
