@@ -275,8 +275,7 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class AttentionMetadata:
-    """Where each sequence of a step lives in the flat batch and the KV pool; ModelRunner.prepare
-    fills it for each step (the Model runner section).
+    """Where a step's sequences live in the flat batch and KV pool; ModelRunner.prepare fills it.
     block_table: the pool blocks that hold one sequence's KV, in order.
     slot_mapping: for each new token, the pool slot its K/V is written to (block_id * block_size
     + offset); -1 marks a padding token."""
@@ -588,11 +587,9 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        # The pending token (async scheduling): a token sampled for this sequence, still only in
-        # device memory, as the next step is launched before this one's tokens are read back.
-        # Schedule counts it as an input to compute; at schedule time there are 0 or 1, and with 1,
-        # num_computed_tokens == len(token_ids). Its whole life: the timeline above EngineCore.step.
-        self.num_pending_tokens = 0      # sampled, not yet in token_ids (EngineCore.step)
+        # The pending token (async scheduling): sampled for this sequence but only in device memory
+        # yet. Its whole life and invariant: the timeline above EngineCore.step.
+        self.num_pending_tokens = 0      # sampled, not yet in token_ids
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
         self.matcher = None              # with params.grammar: a Future of its matcher (EngineCore)
@@ -950,8 +947,7 @@ class ModelRunner:
             logit_edits=self.logit_edits(seqs), allowed=self.token_masks(seqs))
 
     def token_masks(self, seqs: list) -> Optional[tuple]:
-        """pa.apply_token_mask's rows and bitmasks: each constrained row's matcher
-        (which has seen every token so far) writes which tokens may come next."""
+        """pa.apply_token_mask's rows, and bitmasks of what may follow from their matchers."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return None                    # the common case: one check per row
@@ -961,10 +957,9 @@ class ModelRunner:
         return self.to_device(rows, torch.int64), self.to_device(bitmask, torch.int32)
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
-        """apply_logit_edits' entries: for each row with a bias or a penalty, one entry per
-        distinct token that has either. The tokens are counted on the host, when `sample` runs
-        after the step before is read back, so the counts include every token so far; with
-        numpy: a Python loop over a long prompt's tokens would cost milliseconds per step."""
+        """apply_logit_edits' entries: for each row with a bias or a penalty, one per distinct token
+        that has either, counted on the host (every token so far: see sample) with numpy: a Python
+        loop over a long prompt's tokens would cost milliseconds per step."""
         entries = []                                           # (5, n) per edited row
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -990,8 +985,7 @@ class ModelRunner:
     # -- forward and sample --
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"] = None) -> "LaunchedStep":
-        """Queue one step on the device and return without waiting for it.
-        Pending tokens (see EngineCore.step) are filled in from prev's samples."""
+        """Queue one step on the device, not waiting; prev's samples give its pending tokens."""
         inputs = self.prepare(batch, prev)
         if inputs.graph is not None:
             graph, hidden = inputs.graph
@@ -1166,10 +1160,9 @@ class EngineCore:
     # device; _launch adds 1, _commit takes the 1 off and appends it to token_ids (or drops it if
     # the sequence ended meanwhile). A non-final prefill chunk samples nothing: no pending token.
     def step(self) -> list:
-        """Launch the next step, then read back the previous call's and return an EngineCoreOutput
-        per sequence that sampled in it; the new step is sampled after that read-back, while its
-        forward pass still runs, so penalties and grammars see every token so far. The first call
-        has nothing to read back and returns []. New requests join the next launch."""
+        """Launch the next step, read back the previous call's, then sample the new one (why then:
+        ModelRunner.sample). Returns an EngineCoreOutput per sequence that sampled in the step read
+        back; the first call has nothing to read back: []. New requests join the next launch."""
         prev, self.launched = self.launched, self._launch(self.launched)
         outputs = self._commit(prev) if prev is not None else []
         if self.launched is not None:
