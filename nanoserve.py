@@ -1727,8 +1727,7 @@ class EngineCoreClient:
             state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
 
     def collect(self):
-        """The engine core's gauges and counters for /metrics, from the stats
-        of its latest step (prometheus_client calls this at each scrape)."""
+        """/metrics at a scrape: the engine core's gauges and counters, from its latest stats."""
         for name, value in self.stats.items():     # prometheus_client adds "_total" back
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
             yield family(f"nanoserve_{name.removesuffix('_total')}", name, value=value)
@@ -1969,8 +1968,7 @@ class _Shape:
         return []
 
     def has_news(self, d: Delta) -> bool:
-        """Whether d is worth a chunk (a token whose text is held back still
-        carries its log-probs)."""
+        """Whether d is worth a chunk (a token whose text is held back still has log-probs)."""
         return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
 
     def token_logprobs(self, token_ids: list, logprobs: list):
@@ -1988,8 +1986,7 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """The choice of every chunk, from client.generate's RequestStates: one
-        per Delta with news, then one that carries the finish_reason."""
+        """Each chunk's choice, from client.generate's states: one per Delta with news, then `last`."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
@@ -2096,9 +2093,8 @@ class _CompletionShape(_Shape):
 
 class _ChatShape(_Shape):
     """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
-    empty one with the finish_reason ("tool_calls" if the model called). With tools the text is
-    parsed (split_tool_calls) into content and tool-call deltas: index, id, type, name, then
-    the arguments in pieces."""
+    empty one with the finish_reason ("tool_calls" if the model called). With tools, the text is
+    parsed (split_tool_calls) into content and call deltas: index, id, type, name, arguments."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
@@ -2187,8 +2183,7 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 class OpenAIServer:
-    """The routes over one EngineCoreClient. Handlers run on the event loop:
-    they parse, check and tokenize a request, then await client.generate."""
+    """The routes over one EngineCoreClient; handlers run on the event loop (Server, above)."""
 
     def __init__(self, client: EngineCoreClient, cfg: Config):
         self.client, self.front, self.cfg = client, client.front, cfg
@@ -2336,8 +2331,7 @@ class OpenAIServer:
 
 async def _error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
-    (logged; the client gets one line). A 413 or 5xx closes the connection, saying so, so that a
-    pooled client opens a fresh one."""
+    (logged; the client gets one line). A 413 or 5xx closes the connection: a pool opens another."""
     if isinstance(e, HTTPException):
         e = APIError(e.status_code, e.detail)
     elif not isinstance(e, APIError):
