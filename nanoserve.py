@@ -1986,7 +1986,7 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """Each chunk's choice, from client.generate's states: one per Delta with news, then `last`."""
+        """Each chunk's choice, from the states: one per Delta with news, then `last`."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
