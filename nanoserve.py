@@ -738,10 +738,7 @@ class Scheduler:
         seq.num_named_blocks = max(seq.num_named_blocks, num_full)
 
     def finish(self, seq: Sequence, reason: str):
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        (self.running if seq.status == "running" else self.waiting).remove(seq)
         self._free_blocks(seq)
         seq.status, seq.finish_reason = "finished", reason
 
@@ -1524,8 +1521,7 @@ class LLM:
     def generate(self, prompts, params=None) -> list:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params if params is not None else SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         prompt_ids = [self.front.encode(prompt) for prompt in prompts]
@@ -1690,16 +1686,15 @@ class EngineCoreClient:
         """The receiving thread (started with the event loop): blocks on the pipe without the GIL,
         hands `loop` all that has arrived in one call (a reader on the loop would need the pipe
         non-blocking, as uvloop makes it: messages in pieces)."""
-        self.loop = loop
         with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
             try:
                 while True:
                     messages = [self.outbox.recv()]
                     while self.outbox.poll():
                         messages.append(self.outbox.recv())
-                    self.loop.call_soon_threadsafe(self._deliver, messages)
+                    loop.call_soon_threadsafe(self._deliver, messages)
             except (EOFError, OSError):
-                self.loop.call_soon_threadsafe(self._engine_died)
+                loop.call_soon_threadsafe(self._engine_died)
 
     def _deliver(self, messages: list):
         """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
@@ -1948,8 +1943,7 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                            seed=None if seed is None else (seed + i) % 2**64)
             for i in range(f.get("n", 1))]
 
-# -- response shapes: a stream sends a chunk per Delta; a non-streamed
-# response is those same chunks folded into one body --
+# -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
 _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
 
 class _Shape:
