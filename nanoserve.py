@@ -262,9 +262,8 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     return torch.where(medium, blended, scaled).float()        # (hd/2,)
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of every position times every channel pair's frequency, precomputed. The
-    rotation itself (pa.rope_ref) is done by the attention's rope_store, which also writes k
-    and v to the KV pool (on the GPU in one Triton kernel, pa.rope_store_kvcache)."""
+    """cos and sin of every position times every channel pair's frequency, precomputed; Attention's
+    rope_store rotates (pa.rope_ref), on the GPU fused with the KV write (pa.rope_store_kvcache)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -447,10 +446,9 @@ class SamplingBatch:
     allowed: Optional[tuple] = None   # see pa.apply_token_mask; None: no grammar
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
-    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token).
-    edits = ((rows, ids), (bias, repetition, penalty)): entry i edits logits[rows[i], ids[i]]
-    by adding bias[i], dividing the result by repetition[i] if positive (multiplying it if
-    negative), then subtracting penalty[i]. ModelRunner.logit_edits builds them on the host."""
+    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token). edits
+    = ((rows, ids), (bias, repetition, penalty)), from ModelRunner.logit_edits: entry i edits
+    logits[rows[i], ids[i]] in the three steps below, each by its value at i."""
     (rows, ids), (bias, repetition, penalty) = edits   # (2, N) int64, (3, N) fp32
     x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
     x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
@@ -1544,8 +1542,7 @@ class LLM:
 # Behind the server the engine core runs in its own process's main thread, so no per-request Python
 # work (JSON, SSE, detokenizing) competes with its step loop for the GIL. Pipes in: lists of
 # EngineCoreRequest and EngineCoreAbort; out: its stats once ready (or why it failed), then an
-# EngineCoreOutputs per turn. Closing the inbox stops it. EngineCoreClient.generate's consumers:
-# OpenAIServer._respond, _Shape.chunks, .stream.
+# EngineCoreOutputs per turn of its loop. Closing the inbox stops it.
 
 @dataclass
 class EngineCoreAbort:
@@ -1599,10 +1596,9 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 
 class EngineCoreClient:
-    """Starts the engine core process; sends it requests and aborts from the event loop; receives
-    on a thread, then on the loop puts each step's outputs through the FrontEnd and every changed
-    request on its queue (a loop that falls behind gets several steps' tokens at once). It knows
-    no HTTP: a failed request ends with finish_reason "error"; `error` says why the core is gone."""
+    """Starts the engine core process, sends it requests and aborts (_send_all), and hands back its
+    outputs to each request's queue (receive, _deliver: a loop that falls behind gets several steps'
+    tokens at once). It knows no HTTP: a failed request ends with finish_reason "error"."""
 
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
