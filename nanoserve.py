@@ -1239,10 +1239,9 @@ class EngineCore:
 
 # ---------------------------------------------------------------------------
 # Requests in, text out
-# The front end: everything per request that the engine core never needs. It renders chat templates,
-# tokenizes, checks a request against the engine's limits, and turns token ids back into text
-# (incremental detokenization, stop strings). It runs in the caller's process: the server's, or the
-# one that calls LLM.generate, which is where the engine core runs too when offline.
+# The front end: everything per request that the engine core never needs: chat templates,
+# tokenizing, checks against the engine's limits, and token ids back to text (incremental
+# detokenization, stop strings). It runs in the caller's process (the server's, or LLM.generate's).
 
 def load_tokenizer(model_dir: str):
     """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
@@ -1740,9 +1739,8 @@ class EngineCoreClient:
 # ---------------------------------------------------------------------------
 # Server
 # An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing: a
-# request is parsed against its endpoint's table of fields, tokenized in a thread, sent by
-# EngineCoreClient.generate (which yields its RequestStates as steps come back), and shaped by its
-# endpoint's _Shape into chunks: each an SSE event, or for a non-streamed response folded into one.
+# request is parsed against its endpoint's table of fields, tokenized in a thread, run by
+# EngineCoreClient.generate, and made into chunks by its endpoint's _Shape: SSE events, or one body.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
