@@ -1,11 +1,10 @@
 """nanoserve: a whole LLM inference engine in one file.
 
-This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big engines do,
-small enough to read in an afternoon: a paged KV cache with a block allocator and prefix
-caching, a continuous-batching scheduler that mixes chunked prefills and decodes in one
-step, batched sampling with grammars for structured output, CUDA graphs for every step, and
-an OpenAI-compatible HTTP server with SSE streaming. The paged-attention kernels live next
-door in paged_attention.py.
+This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big engines do, small
+enough to read in an afternoon: a paged KV cache with a block allocator and prefix caching, a
+continuous-batching scheduler that mixes chunked prefills and decodes in one step, batched sampling
+with grammars for structured output, CUDA graphs for every step, and an OpenAI-compatible HTTP
+server with SSE streaming. The paged-attention kernels live next door in paged_attention.py.
 
 Left out on purpose: tensor parallelism, quantization, speculative decoding,
 LoRA, beam search, multimodal inputs and every model family but Llama.
@@ -20,12 +19,11 @@ Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
 Read it top to bottom: config -> loader -> layers -> model -> sampler -> block allocator ->
-scheduler -> model runner -> engine core -> front end -> engine core process -> server ->
-CLI. A request enters at the HTTP handler (or LLM.generate), is tokenized by the FrontEnd,
-and crosses a pipe to the engine core process as an EngineCoreRequest. There it becomes a
-Sequence, is scheduled step by step into a flat batch, runs through Model.forward (attention
-reads the paged cache through paged_attention.py) and is sampled; each step's token ids
-cross back as EngineCoreOutputs, and the FrontEnd turns them into text for the HTTP stream.
+scheduler -> model runner -> engine core -> front end -> engine core process -> server -> CLI. A
+request enters at the HTTP handler (or LLM.generate), is tokenized by the FrontEnd, and crosses a
+pipe to the engine core process as an EngineCoreRequest. There it becomes a Sequence, is scheduled
+step by step into a flat batch, runs through Model.forward (attention on the paged cache) and is
+sampled; each step's token ids cross back as EngineCoreOutputs, for the FrontEnd to turn into text.
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ from starlette.routing import Route
 import paged_attention as pa
 
 # Dimension letters used in every shape comment:
-#   B        sequences in a step (or rows of a padded CUDA-graph batch)
-#   T        tokens of one sequence
+#   B        sequences in a step (or rows of a padded CUDA-graph batch);  T  tokens of one sequence
 #   N_tok    tokens of a step, all sequences flattened (prefill chunks + decodes)
 #   D        hidden size;  I  MLP intermediate size;  V  vocabulary size
 #   n_heads  query heads;  n_kv  key/value heads;  hd  head dim
