@@ -1748,8 +1748,7 @@ class APIError(Exception):
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
 
-# -- request parsing: each endpoint has one table of its fields, each checked for its JSON type,
-# then by its own rule if any (rules also fill in defaults); a failure is a 400 naming it --
+# -- request parsing: each endpoint has a table of its fields: a JSON type each, a rule if any --
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
