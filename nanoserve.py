@@ -443,9 +443,9 @@ class SamplingBatch:
     allowed: Optional[tuple] = None   # see pa.apply_token_mask; None: no grammar
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
-    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token). edits
-    = ((rows, ids), (bias, repetition, penalty)), from ModelRunner.logit_edits: entry i edits
-    logits[rows[i], ids[i]] in the three steps below, each by its value at i."""
+    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token).
+    edits = ((rows, ids), (bias, repetition, penalty)), from ModelRunner.logit_edits: entry i
+    edits logits[rows[i], ids[i]] in the three steps below, each with its values at i."""
     (rows, ids), (bias, repetition, penalty) = edits   # (2, N) int64, (3, N) fp32
     x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
     x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
@@ -582,8 +582,8 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        # The pending token (async scheduling): sampled for this sequence but only in device memory
-        # yet. Its whole life and invariant: the timeline above EngineCore.step.
+        # The pending token (async scheduling): sampled for this sequence, still only in device
+        # memory. Its whole life and invariant: the timeline above EngineCore.step.
         self.num_pending_tokens = 0      # sampled, not yet in token_ids
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
@@ -1970,7 +1970,7 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """Each chunk's choice, from the states: one per Delta with news, then `last`."""
+        """Each chunk's choice: one per Delta with news in `states`, then `last`'s (the finish)."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
