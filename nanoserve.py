@@ -555,20 +555,15 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 
 # ---------------------------------------------------------------------------
 # Scheduler
-# Every step the scheduler decides which sequences run and how many of their
-# tokens. The admission rule: running sequences first (a decode is one token,
-# an unfinished prefill a chunk of the token budget), then waiting ones in
-# arrival order while budget, seats (max_num_seqs) and blocks last: a skipped
-# decode would stall its stream for a step, for one token of the budget. At a
-# burst, though (waiting prompts fill whole steps), decodes ride along only
-# every DECODES_EVERY-th step: in a step of 8,000 prompt tokens a decode costs
-# about what it costs in a step of its own (its K/V is read either way), so
-# first tokens come ~10% sooner and streams still move every ~0.1 s (README,
-# Speed). The 1,024 seats seat a burst at once; 256 kept the rest waiting for
-# the first to finish. When the pool runs dry, the most recently admitted
-# sequence is preempted: its blocks are freed and it is recomputed later.
-
-DECODES_EVERY = 4     # at a burst: a stream's token every 4 steps of ~27 ms on an H200
+# Every step the scheduler decides which sequences run and how many of their tokens. The admission
+# rule: running sequences first (a decode is one token, an unfinished prefill a chunk of the token
+# budget), then waiting ones in arrival order while budget, seats (max_num_seqs) and blocks last: a
+# skipped decode would stall its stream for a step, for one token of the budget. At a burst (waiting
+# prompts fill whole steps), decodes ride along only every DECODES_EVERY-th step: in a step of 8,000
+# prompt tokens a decode costs about what it costs in a step of its own (its K/V is read either
+# way), so first tokens come ~10% sooner and streams still move every ~0.1 s. The 1,024 seats seat a
+# burst at once; 256 kept the rest waiting for the first to finish. When the pool runs dry, the
+# latest admitted sequence is preempted: its blocks are freed and it is recomputed later.
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress."""
@@ -601,18 +596,19 @@ class ScheduledBatch:
     is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
 
 class Scheduler:
+    DECODES_EVERY = 4     # at a burst: a stream's token every 4 steps of ~27 ms on an H200
+
     def __init__(self, cfg: Config, allocator: BlockAllocator):
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
         self.waiting: deque[Sequence] = deque()            # FIFO; a preempted one goes first
         self.running: list[Sequence] = []      # in admission order
-        self.num_preemptions = 0               # a step that preempts admits no one
+        self.num_steps = self.num_preemptions = 0    # a step that preempts admits no one
         self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
-        self.num_steps = 0
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
-        decodes_wait = self._decodes_wait()
+        decodes_wait = self._decodes_wait(budget)
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
             if seq.status != "running" or budget == 0 or self._ends_when_read(seq) or \
@@ -642,12 +638,11 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _decodes_wait(self) -> bool:
+    def _decodes_wait(self, budget: int) -> bool:
         """The burst rule (above): True if decodes sit this step out, as prompts fill it. Only when
         they can be admitted: with no seat or no blocks left, decodes would wait for nothing."""
         self.num_steps += 1
-        budget = self.cfg.max_num_batched_tokens
-        return self.num_steps % DECODES_EVERY != 0 \
+        return self.num_steps % self.DECODES_EVERY != 0 \
             and len(self.running) < self.cfg.max_num_seqs \
             and self.allocator.num_free_blocks * self.block_size >= 2 * budget \
             and sum(seq.num_tokens for seq in self.waiting) >= budget
@@ -859,8 +854,7 @@ class ModelRunner:
         self._put_input_ids(batch, input_ids, pending, prev)
         b = self.buffers
         meta = AttentionMetadata(b["slot_mapping"][:N], b["block_tables"][:S, :width],
-                                 b["context_lens"][:S], b["cu_seqlens_q"][:S + 1],
-                                 batch.is_decode)
+                                 b["context_lens"][:S], b["cu_seqlens_q"][:S + 1], batch.is_decode)
         return StepInputs(b["input_ids"][:N], b["positions"][:N], meta, num_tokens,
                           sample_rows, sample_seqs, self.graphs.get(key))
 
@@ -1211,7 +1205,6 @@ class EngineCore:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
-        return None
 
     def fail_running(self, error: Exception) -> list:
         """A step raised: its requests end in error, their blocks freed; the engine core goes on."""
@@ -1542,8 +1535,8 @@ class LLM:
 
 @dataclass
 class EngineCoreAbort:
-    """Stop these requests (their client left, or a stop string ended them)."""
-    request_ids: list
+    """Stop this request (its client left, or a stop string ended it)."""
+    request_id: str
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """In the engine core process's main thread: owns the scheduler, BlockAllocator, ModelRunner and
@@ -1572,8 +1565,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         outputs = []
         for item in (item for message in messages for item in message):   # in the order sent
             if isinstance(item, EngineCoreAbort):
-                for request_id in item.request_ids:
-                    core.abort_request(request_id)
+                core.abort_request(item.request_id)
                 continue
             try:
                 core.add_request(item)
@@ -1614,9 +1606,8 @@ class EngineCoreClient:
         self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
         self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
         # Sends go via one thread, in order: the event loop never blocks on a pipe full mid-step
-        self.outgoing = queue.SimpleQueue()          # requests and aborts; None: close the pipe
-        self.sender = threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True)
-        self.sender.start()
+        self.outgoing = queue.SimpleQueue()   # lists of requests, or of an abort; None: close
+        threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True).start()
         # /metrics: latency histograms observed here; the engine core's counters (collect)
         self.metrics = prometheus_client.CollectorRegistry()
         self.metrics.register(self)
@@ -1629,7 +1620,6 @@ class EngineCoreClient:
 
     def shutdown(self):
         self.outgoing.put(None)                # after the sends queued before: EOF over there
-        self.sender.join()
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
@@ -1645,8 +1635,7 @@ class EngineCoreClient:
         try:
             if self.error:                          # died since the handler checked
                 self._fail_all()
-            for request in requests:                # a dead process: receive says so
-                self.outgoing.put(request)
+            self.outgoing.put(requests)             # a dead process: receive says so
             while unfinished:
                 state = await changed.get()
                 if state.request_id in unfinished:  # else a late repeat of a finished one
@@ -1660,7 +1649,7 @@ class EngineCoreClient:
 
     def _abort(self, request_ids: list):
         if request_ids and not self.error:
-            self.outgoing.put(EngineCoreAbort(request_ids))
+            self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
 
     def _send_all(self):
         """The sending thread: each message takes all that waits. One message per request, at a
@@ -1671,7 +1660,7 @@ class EngineCoreClient:
                 items = [self.outgoing.get()]
                 while not self.outgoing.empty():
                     items.append(self.outgoing.get())
-                self.inbox.send([item for item in items if item is not None])
+                self.inbox.send([x for item in items if item is not None for x in item])
         self.inbox.close()
 
     def receive(self, loop: asyncio.AbstractEventLoop):
@@ -1866,12 +1855,10 @@ _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an obje
                                                    "schema": dict, "strict": bool}},
                      _response_format),
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
-COMPLETION_FIELDS = dict(
-    _COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
+COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
     best_of=(int, _rule(lambda v, f: v in (None, f["n"] or 1), "other than 'n' is not supported")),
     suffix=(str, _rule(lambda v, f: not v, "(insertion) is not supported")))
-CHAT_FIELDS = dict(
-    _COMMON_FIELDS, messages=(list, _messages), logprobs=bool, top_logprobs=int,
+CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, top_logprobs=int,
     max_completion_tokens=int, parallel_tool_calls=bool,
     tools=[{"type": str, "function": ({"name": (str, _REQUIRED), "description": str,
                                        "parameters": dict, "strict": bool}, _REQUIRED)}],
@@ -2290,10 +2277,8 @@ class OpenAIServer:
 
     def _validate(self, f: dict, prompt_ids: list, params: list):
         try:
-            for p in params:                  # the choices differ only by seed
-                p.validate(self.cfg.vocab_size)
-            for ids in prompt_ids:
-                self.front.validate(ids, params[0])
+            for ids in prompt_ids:            # (also params.validate: the choices differ only
+                self.front.validate(ids, params[0])   # by seed, which any int is)
         except ValueError as e:
             name = str(e).split()[0]  # validate's messages start with their field, if any
             raise APIError(400, str(e), param=name if name in f else None)

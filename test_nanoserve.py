@@ -269,8 +269,8 @@ def test_decodes_wait_at_a_burst(smol_llm):
     scheduler.schedule = recorded
     outs = llm.generate(SMOL_PROMPTS * 3, GREEDY)         # 12 prompts: a backlog of whole steps
     assert [o.token_ids for o in outs] == [o.token_ids for o in whole] * 3
-    waited = [d for burst, i, d in steps if burst and i % ns.DECODES_EVERY]
-    rode = [d for burst, i, d in steps if burst and not i % ns.DECODES_EVERY]
+    waited = [d for burst, i, d in steps if burst and i % ns.Scheduler.DECODES_EVERY]
+    rode = [d for burst, i, d in steps if burst and not i % ns.Scheduler.DECODES_EVERY]
     assert waited and not any(waited), "a decode ran while prompts filled the step"
     assert any(rode), "decodes never rode along with the burst"
     check_pool_is_free(llm.engine)
