@@ -1388,7 +1388,7 @@ class FrontEnd:
     # -- requests in --
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
         if not isinstance(prompt, str):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(type(t) is int for t in prompt):      # not bool, which is an int too
                 raise ValueError("a prompt must be a string or a list of token ids")
             return list(prompt)
         if self.tokenizer is None:
@@ -1403,7 +1403,7 @@ class FrontEnd:
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:   # C loops, not Python
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.cfg.max_model_len:
