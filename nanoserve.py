@@ -602,7 +602,7 @@ class Scheduler:
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
         self.waiting: deque[Sequence] = deque()            # FIFO; a preempted one goes first
         self.running: list[Sequence] = []      # in admission order
-        self.num_steps = self.num_preemptions = 0    # a step that preempts admits no one
+        self.num_steps = self.num_preemptions = 0    # counts; a step that preempts admits no one
         self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
 
     def schedule(self) -> ScheduledBatch:
