@@ -12,7 +12,8 @@ the same inputs.
                 long prompt) with both systems side by side and their ratio
     serve       the HTTP server under Poisson arrivals and a closed loop,
                 with CUDA graphs and with --enforce-eager: TTFT, TPOT and
-                inter-token percentiles, and their distributions as a plot
+                inter-token percentiles, their distributions as a plot, and
+                all at once each request's TTFT against the order sent
     kernel      the paged-attention decode kernel against its torch reference
                 and SDPA on contiguous K/V, over batch x context
     prefix      shared-prefix requests with prefix caching on and off
@@ -1049,7 +1050,7 @@ def plot_serve_distribution(samples, out_dir):
 
 def plot_burst_ttft(samples, out_dir):
     """Each request's time to first token against the order it was sent in, all at once: a
-    scheduler that serves first come first served draws a rising line whose end is the p99."""
+    scheduler that serves first come first served draws one rising line, a seat shortage a jump."""
     if not samples:
         return
     plt = pyplot()
