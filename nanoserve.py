@@ -66,10 +66,13 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-
 # Config
 # One dataclass holds every setting: the engine's from the caller (each a CLI flag), the
 # architecture's from config.json (__post_init__), so a Config is always complete and checked.
+# Words the help strings use, each told whole in its section: the KV pool (the memory holding every
+# sequence's keys and values, cut into blocks), a step (one forward pass over the batch) and its
+# token budget, seats (sequences in one step), CUDA graphs (a forward pass recorded, then replayed).
 
 def _flag(default, help: str, flag: Optional[str] = None):
-    """A Config or SamplingParams field that is also a CLI flag: add_dataclass_flags (the CLI
-    section) makes `--field-name` from its name, type, default and help, and `flag`."""
+    """A Config or SamplingParams field that is also a CLI flag: the CLI section makes
+    `--field-name` (or `flag`) from its name, type, default and help."""
     return field(default=default, metadata={"help": help, "flag": flag})
 
 @dataclass
@@ -89,7 +92,8 @@ class Config:
     max_model_len: int = _flag(0, "longest prompt + completion (0: the model's limit)")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompts seen before",
                                         "--no-prefix-caching")
-    enforce_eager: bool = _flag(False, "no CUDA graphs (used on cuda with --attention triton)")
+    enforce_eager: bool = _flag(False, "run every step eagerly: no CUDA graphs (which are only "
+                                       "captured on cuda with the triton attention)")
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
@@ -227,8 +231,11 @@ def load_weights(model: nn.Module, cfg: Config):
 # Layers
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
-# live only in AttentionMetadata. Each kernel (pa.*) is called by what it computes;
-# paged_attention.py picks the implementation (Triton on the GPU, torch on the CPU) in one place.
+# live only in AttentionMetadata. Each kernel (pa.*) is called by what it computes; its contract is
+# the torch reference of the same name + "_ref" at the top of paged_attention.py, which picks the
+# implementation (Triton on the GPU, torch on the CPU) in one place. Attention and MLP take their
+# block's norm and residual as arguments because pa.linear applies a norm to a matmul's input and
+# adds a residual to its output: at batch 1 on the GPU, inside the one kernel that reads the weight.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -272,7 +279,7 @@ class RotaryEmbedding(nn.Module):
 @dataclass
 class AttentionMetadata:
     """Where a step's sequences live in the flat batch and KV pool; ModelRunner.prepare fills it.
-    block_table: the pool blocks that hold one sequence's KV, in order.
+    A sequence's block_table: the pool blocks that hold its KV, in order (block_tables: one a row).
     slot_mapping: for each new token, the pool slot its K/V is written to (block_id * block_size
     + offset); -1 marks a padding token."""
     slot_mapping: torch.Tensor        # (N_tok,) int64
@@ -332,9 +339,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rope, meta):               # (N_tok, D)
-        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)). Each
-        sublayer takes its norm and residual as arguments, so its first matmul applies the norm and
-        its last adds the residual (pa.linear: at batch 1, in the one GEMV reading the weight)."""
+        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)), each
+        sublayer's first matmul applying the norm and its last adding the residual."""
         h = self.attn(x, positions, rope, meta, norm=self.input_layernorm, residual=x)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
@@ -342,7 +348,7 @@ class DecoderLayer(nn.Module):
 # Model
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
 # every token; compute_logits() applies the final norm and the LM head only to the rows sampled
-# (each sequence's last token): at decode batch sizes, one GEMV with the norm fused.
+# (each sequence's last token), through pa.linear like every other matmul.
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -453,7 +459,10 @@ def apply_logit_edits(logits, edits):                        # (B, V) fp32
     return logits.index_put((rows, ids), x)
 
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
-    """Set every logit outside a row's top-k and top-p set to -inf."""
+    """Set every logit outside a row's top-k and top-p set to -inf. An example row, V = 4, top_k =
+    3, top_p = 0.6, probabilities in ascending order [.1, .2, .3, .4]: top-k drops position 0
+    (< V - k); the three left renormalize to [.22, .33, .44], whose ascending cumulative mass is
+    [.22, .56, 1]; top-p drops each whose mass is <= 1 - p = .4, so .2 goes and [.3, .4] stay."""
     sorted_logits, order = logits.sort(dim=-1)                 # ascending, (B, V)
     V = logits.shape[-1]                                   # vocabulary size
     # top-k by position in the sorted row, so exactly k survive even with ties
@@ -549,8 +558,8 @@ class BlockAllocator:
             self.cached_blocks[prefix_hash] = block
 
 def prefix_hash(parent: Optional[int], token_ids) -> int:
-    """Name a full block by its tokens and, through the parent's hash, everything
-    before it. Python's tuple hash of ints is deterministic across runs."""
+    """Name a full block by its tokens and, through the parent's hash (None for the first block),
+    everything before it. A name lives as long as the process: no other run needs to agree."""
     return hash((parent, tuple(token_ids)))
 
 # ---------------------------------------------------------------------------
@@ -559,14 +568,34 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 # rule: running sequences first (a decode is one token, an unfinished prefill a chunk of the token
 # budget), then waiting ones in arrival order while budget, seats (max_num_seqs) and blocks last: a
 # skipped decode would stall its stream for a step, for one token of the budget. At a burst (waiting
-# prompts fill whole steps), decodes ride along only every DECODES_EVERY-th step: in a step of 8,000
-# prompt tokens a decode costs about what it costs in a step of its own (its K/V is read either
-# way), so first tokens come ~10% sooner and streams still move every ~0.1 s. The 1,024 seats seat a
-# burst at once; 256 kept the rest waiting for the first to finish. When the pool runs dry, the
-# latest admitted sequence is preempted: its blocks are freed and it is recomputed later.
+# prompts fill whole steps), decodes ride along only every DECODES_EVERY-th step: in a full prompt
+# step a decode costs about what it costs in a step of its own (its K/V is read either way), so
+# first tokens come sooner while streams still move (README, Speed, has the figures). When the pool
+# runs dry, the latest admitted sequence is preempted: its blocks are freed, it is recomputed later.
 
 class Sequence:
-    """One request as the engine core sees it: token ids (never text), cache blocks, progress."""
+    """One request as the engine core sees it: token ids (never text), cache blocks, progress.
+
+    The pending token (async scheduling). The engine core launches step N+1 before it reads step
+    N's tokens back, so the host's work hides behind the device's (EngineCore.step). A sequence's
+    input in step N+1 is then the token it sampled in step N, still only in device memory: its
+    pending token. One decoding sequence through one EngineCore.step, L = len(token_ids) before it:
+
+        moment in EngineCore.step                      len(token_ids)  pending  computed
+        before: step N launched and sampled                  L            1         L
+        schedule: n = L + 1 - L = 1 token to compute         L            1         L
+        launch step N+1, counted                             L            2       L + 1
+        commit step N: its token read back, appended       L + 1          1       L + 1
+        sample step N+1: its token on the device           L + 1          1       L + 1
+
+    The invariant, once the prompt is computed: num_computed_tokens == len(token_ids) +
+    num_pending_tokens - 1 (every token but the newest is launched); num_pending_tokens is 0 or 1
+    except between a launch and the commit of the step before. Who does what with it:
+    Scheduler.schedule counts it as a token to compute, and _ends_when_read skips a sequence whose
+    pending token is its last; ModelRunner._flatten leaves a placeholder in its input row, which
+    _put_input_ids fills on the device from the step before's samples; EngineCore._launch adds 1,
+    _commit takes the 1 off and appends the token (or drops it if the sequence ended meanwhile). A
+    prefill chunk that is not the prompt's last samples nothing: no pending token."""
 
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
@@ -577,9 +606,7 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        # The pending token (async scheduling): sampled for this sequence, still only in device
-        # memory. Its whole life and invariant: the timeline above EngineCore.step.
-        self.num_pending_tokens = 0      # sampled, not yet in token_ids
+        self.num_pending_tokens = 0      # sampled, not yet in token_ids (the docstring above)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
         self.matcher = None              # with params.grammar: a Future of its matcher (EngineCore)
@@ -596,7 +623,7 @@ class ScheduledBatch:
     is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
 
 class Scheduler:
-    DECODES_EVERY = 4     # at a burst: a stream's token every 4 steps of ~27 ms on an H200
+    DECODES_EVERY = 4     # at a burst, decodes ride along every 4th step (the burst rule, above)
 
     def __init__(self, cfg: Config, allocator: BlockAllocator):
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
@@ -611,10 +638,11 @@ class Scheduler:
         decodes_wait = self._decodes_wait(budget)
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
-            if seq.status != "running" or budget == 0 or self._ends_when_read(seq) or \
-                    decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                continue                       # preempted below, no budget, done, or a burst
-            # a pending token is computed like any other (see EngineCore.step)
+            if budget == 0:
+                break
+            if not self._runs_this_step(seq, decodes_wait):
+                continue
+            # a pending token is computed like any other (see Sequence)
             n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             if self._reserve_blocks(seq, n):
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
@@ -638,14 +666,27 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _runs_this_step(self, seq: Sequence, decodes_wait: bool) -> bool:
+        """Whether a running sequence takes part in the step being built."""
+        if seq.status != "running":           # preempted earlier in this step's loop
+            return False
+        if self._ends_when_read(seq):         # its pending token is its last
+            return False
+        is_decoding = seq.num_computed_tokens >= seq.num_prompt_tokens
+        return not (is_decoding and decodes_wait)     # the burst rule holds decodes back
+
     def _decodes_wait(self, budget: int) -> bool:
-        """The burst rule (above): True if decodes sit this step out, as prompts fill it. Only when
-        they can be admitted: with no seat or no blocks left, decodes would wait for nothing."""
+        """The burst rule (above): True if decodes sit this step out so that prompts fill it. Only
+        while prompts can take their place: a seat is free, the pool has room for two full steps of
+        prompt tokens (with less, admission soon stops on blocks and decodes would wait for
+        nothing), and the waiting prompts fill at least this step."""
         self.num_steps += 1
-        return self.num_steps % self.DECODES_EVERY != 0 \
-            and len(self.running) < self.cfg.max_num_seqs \
-            and self.allocator.num_free_blocks * self.block_size >= 2 * budget \
-            and sum(seq.num_tokens for seq in self.waiting) >= budget
+        if self.num_steps % self.DECODES_EVERY == 0:
+            return False                          # this step, decodes ride along
+        seat_free = len(self.running) < self.cfg.max_num_seqs
+        room = self.allocator.num_free_blocks * self.block_size >= 2 * budget
+        fills_step = sum(seq.num_tokens for seq in self.waiting) >= budget
+        return seat_free and room and fills_step
 
     def _ends_when_read(self, seq: Sequence) -> bool:
         """True if seq's pending token is its last by length: no later step is worth launching."""
@@ -735,8 +776,12 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On CUDA with the Triton
-# attention, each step replays a CUDA graph captured for its kind and size: one launch for 200
-# kernels that would leave the GPU idle.
+# attention, each step replays a CUDA graph. A graph records every kernel launch of one forward pass
+# once (capture) and replays them all in one launch, where 200 launches from Python would leave the
+# GPU idle between kernels. A replay reads and writes the addresses it recorded: so each step copies
+# its inputs into static buffers (self.buffers), every graph's activations share one memory pool,
+# a step pads its batch up to the next captured size (_pad says why padding is harmless), and each
+# size runs once before its capture so that Triton compiles outside the recording.
 
 @dataclass
 class StepInputs:
@@ -751,8 +796,10 @@ class StepInputs:
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device: launched (forward pass, logits), then
-    sampled (ModelRunner.sample), then read back (EngineCore._commit)."""
+    """A step queued on the device, and its whole life: ModelRunner.launch queues its forward pass
+    and logits; EngineCore holds it as `launched` while the next step is scheduled and launched;
+    ModelRunner.sample (after the step before is read back) samples its rows and starts copying
+    them to the host; the next EngineCore.step's _commit waits for that copy, then drops it."""
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
@@ -843,8 +890,23 @@ class ModelRunner:
         view.copy_(host.pin_memory() if self.use_cuda else host, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
-        """The step's inputs in the static buffers, in three parts: flatten the batch, pad it to
-        the size of the graph that replays it, fill in the pending tokens from prev's samples."""
+        """The step's inputs in the static buffers, in three parts: flatten the batch (_flatten), pad
+        it to the size of the graph that replays it (_pad), fill in the pending tokens from prev's
+        samples (_put_input_ids). A worked step, block_size 16: sequence A, a 100-token prompt whose
+        first 16 tokens were cached, computes its next chunk of 40 (positions 16-55, blocks [7, 3,
+        9, 4]); sequence B, 70 tokens and a pending one, decodes position 70 (blocks [2, 5, 8, 6,
+        1]). _flatten makes 41 rows of 2 sequences:
+            input_ids     A's tokens 16..55, then 0 for B's pending token (filled on the device)
+            positions     16, 17, .., 55, 70
+            slot_mapping  48..63 (block 3), 144..159 (block 9), 64..71 (block 4), 22 (block 1)
+            context_lens  [56, 71]: each sequence's tokens in the cache once this step has run
+            cu_seqlens_q  [0, 40, 41]: A owns rows 0-39, B row 40
+            block_tables  [[7, 3, 9, 4, 0], [2, 5, 8, 6, 1]]: as wide as the longest, 0-padded
+        Only row 40 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 39
+        would sample too). 41 tokens with a prompt among them replay the 48-token graph, so _pad
+        adds 7 rows and 46 sequences: seven -1 slots, 46 context_lens of 0, 46 more cu_seqlens_q of
+        41, and block_tables the buffer's full width; input_ids and positions keep what rows 41-47
+        held before."""
         flat, sample_rows, sample_seqs, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = self._graph_key(batch.is_decode, num_tokens)
@@ -869,7 +931,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             last_row = flat["cu_seqlens_q"][-1] + n - 1
             flat["input_ids"] += seq.token_ids[start:end]
-            if end > seq.num_tokens:     # the pending token is the last input (EngineCore.step)
+            if end > seq.num_tokens:     # its last input is the pending token (see Sequence)
                 flat["input_ids"].append(0)        # a placeholder: _put_input_ids fills it
                 pending.append((last_row, seq))
             table = seq.block_table
@@ -878,7 +940,7 @@ class ModelRunner:
             flat["slot_mapping"] += [table[p // bs] * bs + p % bs for p in range(start, end)]
             flat["context_lens"].append(end)
             flat["cu_seqlens_q"].append(last_row + 1)
-            if end >= seq.num_tokens:
+            if end >= seq.num_tokens:    # its last input is its newest token: it samples
                 sample_rows.append(last_row)
                 sample_seqs.append(i)
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
@@ -1124,31 +1186,13 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    # -- one step: async scheduling, and the pending token's whole life --
-    # Step N+1 is launched before step N's tokens are read back, so the host's work (schedule,
-    # prepare, launch, read back, end checks) hides behind the device's. A sequence's input in
-    # step N+1 is then the token it sampled in step N, only in device memory: its pending token.
-    # One decoding sequence through one call of step(), L = len(token_ids) before it:
-    #
-    #   moment in step()                          len(token_ids)  pending  computed
-    #   before: step N launched and sampled             L            1         L
-    #   _launch: schedule (n = L + 1 - L = 1)           L            1         L
-    #   _launch: runner.launch N+1, counted             L            2       L + 1
-    #   _commit(N): token N read back, appended       L + 1          1       L + 1
-    #   runner.sample(N+1): token N+1 on the device   L + 1          1       L + 1
-    #
-    # The invariant: num_computed_tokens == len(token_ids) + num_pending_tokens - 1 once a
-    # sequence's prompt is computed (every token but the newest is launched); num_pending_tokens
-    # is 0 or 1 except between a _launch and the _commit of the step before. Who does what with
-    # it: Scheduler.schedule counts it as an input to compute, and _ends_when_read skips a
-    # sequence whose pending token is its last; ModelRunner.prepare leaves a placeholder in its
-    # input row and _put_input_ids copies it there from the step before's samples, on the
-    # device; _launch adds 1, _commit takes the 1 off and appends it to token_ids (or drops it if
-    # the sequence ended meanwhile). A non-final prefill chunk samples nothing: no pending token.
+    # -- one step: async scheduling (the pending token: see Sequence) --
     def step(self) -> list:
-        """Launch the next step, read back the previous call's, then sample the new one (why then:
-        ModelRunner.sample). Returns an EngineCoreOutput per sequence that sampled in the step read
-        back; the first call has nothing to read back: []. New requests join the next launch."""
+        """Launch the next step, read back the previous call's, then sample the new one: sampling
+        after the read-back lets penalties and grammars see every token so far, while the host's
+        work still hides behind the new step's forward pass. Returns an EngineCoreOutput per
+        sequence that sampled in the step read back and had not ended meanwhile (the first call
+        reads nothing back: []). New requests join the next launch."""
         prev, self.launched = self.launched, self._launch(self.launched)
         outputs = self._commit(prev) if prev is not None else []
         if self.launched is not None:
@@ -1163,40 +1207,46 @@ class EngineCore:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n        # their K/V are on the way into the cache
         for seq in step.seqs:
-            seq.num_pending_tokens += 1         # sampled, not yet read (see step)
+            seq.num_pending_tokens += 1         # sampled, not yet read (see Sequence)
         return step
 
     def _commit(self, step: LaunchedStep) -> list:
         """Read a step's tokens back (its one host-device sync) and hand each to its sequence."""
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
-        tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
+        host = [t.tolist() for t in step.host]   # tokens, then sample()'s log-probs: (B,) each
         outputs = []
-        for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
-            seq.num_pending_tokens -= 1         # read: no longer pending (see step)
-            if seq.is_finished:                 # aborted, or ended by the step before
-                continue
-            seq.token_ids.append(token)
-            if seq.matcher is not None:        # the grammar follows the output, token by token
-                seq.matcher.result().consume_token(token)
-            keep = seq.params.max_tokens > 0     # 0: only the prompt's log-probs were wanted
-            out = EngineCoreOutput(seq.request_id, token if keep else None,
-                                   num_cached_tokens=seq.num_cached_tokens)
-            if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
-                out.prompt_logprobs = seq.prompt_logprobs
-            if keep and logprobs and seq.params.logprobs is not None:
-                k = seq.params.logprobs
-                out.logprobs = (logprobs[0][i], dict(zip(logprobs[2][i][:k], logprobs[1][i][:k])))
-            out.finish_reason = self._finish_reason(seq, token)
-            if out.finish_reason is not None:
-                self.scheduler.cache_computed_blocks(seq)    # before its blocks are freed
-                self.scheduler.finish(seq, out.finish_reason)
-                del self.seqs[seq.request_id]
-            outputs.append(out)
+        for i, seq in enumerate(step.seqs):
+            seq.num_pending_tokens -= 1         # read: no longer pending (see Sequence)
+            if not seq.is_finished:             # else aborted, or ended by the step before
+                outputs.append(self._append_token(seq, *[column[i] for column in host]))
         for seq in step.batch.seqs:
             self.scheduler.cache_computed_blocks(seq)    # a finished one has no blocks left
         self.num_generated_tokens += len(outputs)
         return outputs
+
+    def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
+        """One read-back token into its sequence, and the output that reports it, which ends the
+        sequence if the token finishes it. logprobs: the token's, then the top ones' values and
+        ids, when the step computed them."""
+        seq.token_ids.append(token)
+        if seq.matcher is not None:        # the grammar follows the output, token by token
+            seq.matcher.result().consume_token(token)
+        keep = seq.params.max_tokens > 0     # 0: only the prompt's log-probs were wanted
+        out = EngineCoreOutput(seq.request_id, token if keep else None,
+                               num_cached_tokens=seq.num_cached_tokens)
+        if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.prompt_logprobs
+        k = seq.params.logprobs
+        if keep and logprobs and k is not None:
+            chosen, top_values, top_ids = logprobs
+            out.logprobs = (chosen, dict(zip(top_ids[:k], top_values[:k])))
+        out.finish_reason = self._finish_reason(seq, token)
+        if out.finish_reason is not None:
+            self.scheduler.cache_computed_blocks(seq)    # before its blocks are freed
+            self.scheduler.finish(seq, out.finish_reason)
+            del self.seqs[seq.request_id]
+        return out
 
     def _finish_reason(self, seq: Sequence, token: int) -> Optional[str]:
         p = seq.params
@@ -1207,11 +1257,15 @@ class EngineCore:
             return "length"
 
     def fail_running(self, error: Exception) -> list:
-        """A step raised: its requests end in error, their blocks freed; the engine core goes on."""
+        """A step raised: every running sequence ends in error (in that step or not), its blocks
+        freed; the waiting ones stay queued and the engine core goes on. The launched step is
+        dropped unread, so no sequence has a pending token left (a preempted one may have had)."""
         self.launched = None
         failed = [s for s in self.seqs.values() if s.status == "running"]
         for seq in failed:
             self.abort_request(seq.request_id)
+        for seq in self.seqs.values():
+            seq.num_pending_tokens = 0
         return [EngineCoreOutput(s.request_id, None, finish_reason="error",
                                  error=f"the engine failed: {error!r}") for s in failed]
 

@@ -286,6 +286,34 @@ def test_preemption_keeps_output(smol_llm):
     check_pool_is_free(small.engine)
 
 
+def test_failed_step_keeps_the_waiting_sequences(smol_llm):
+    """A step that raises fails the running sequences (fail_running); one preempted while that
+    step was scheduled waits with no stale pending token, then ends as if nothing had happened."""
+    whole = smol_llm.generate(SMOL_PROMPTS, GREEDY)
+    small = ns.LLM(SMOL_DIR, device="cpu", num_blocks=9, block_size=8, enable_prefix_caching=False)
+    engine, launch, failed = small.engine, small.engine.runner.launch, []
+
+    def launch_failing_after_a_preemption(batch, prev=None):
+        if engine.scheduler.num_preemptions and not failed:
+            failed.append([s.request_id for s in engine.scheduler.waiting])
+            raise RuntimeError("injected failure")
+        return launch(batch, prev)
+    engine.runner.launch = launch_failing_after_a_preemption
+    states = [small.add(small.front.encode(p), GREEDY) for p in SMOL_PROMPTS]
+    for _ in range(400):             # bounded: a stale pending token made this loop forever
+        try:
+            outputs = engine.step()
+        except RuntimeError as e:
+            outputs = engine.fail_running(e)
+        small.front.process(outputs)
+    assert not engine.has_unfinished()
+    assert failed and failed[0], "no preemption before the failure"
+    kept = [(s, w) for s, w in zip(states, whole) if s.request_id in failed[0]]
+    assert kept and all(s.finish_reason == "length" for s, _ in kept)
+    assert [s.token_ids for s, _ in kept] == [w.token_ids for _, w in kept]
+    check_pool_is_free(engine)
+
+
 def test_stop_strings_and_tokens(smol_llm):
     base = smol_llm.generate(["1, 2, 3, 4,"], GREEDY)[0]
     assert " 5, 6" in base.text
