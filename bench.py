@@ -1212,12 +1212,12 @@ def with_tokenizer(model_dir, tokenizer_dir):
 def structured(args, model_dir, hw):
     """Throughput with 0%, 10% and 100% of the requests constrained to a JSON schema, and
     with 10% under tool_choice "auto"'s grammar."""
-    from nanoserve import SamplingParams
+    from nanoserve import SamplingParams, tool_call_grammar
     model_dir = with_tokenizer(model_dir, args.tokenizer) if args.tokenizer else model_dir
     llm = make_llm(args, model_dir)
     grammar = llm.front.grammar(json.dumps(LIST_SCHEMA))
     tool = {"type": "function", "function": {"name": "list", "parameters": LIST_SCHEMA}}
-    auto = llm.front.grammar(llm.front.tool_call_grammar("hermes", [tool], "auto", True), True)
+    auto = llm.front.grammar(tool_call_grammar("hermes", [tool], "auto", True), True)
     runner, masks = llm.engine.runner, [0, 0, 0.0]   # steps with a mask, rows, seconds
     fill = runner.token_masks
 

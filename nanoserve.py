@@ -890,12 +890,12 @@ class ModelRunner:
         view.copy_(host.pin_memory() if self.use_cuda else host, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
-        """The step's inputs in the static buffers, in three parts: flatten the batch (_flatten), pad
-        it to the size of the graph that replays it (_pad), fill in the pending tokens from prev's
-        samples (_put_input_ids). A worked step, block_size 16: sequence A, a 100-token prompt whose
-        first 16 tokens were cached, computes its next chunk of 40 (positions 16-55, blocks [7, 3,
-        9, 4]); sequence B, 70 tokens and a pending one, decodes position 70 (blocks [2, 5, 8, 6,
-        1]). _flatten makes 41 rows of 2 sequences:
+        """The step's inputs in the static buffers, in three parts: flatten the batch (_flatten),
+        pad it to the size of the graph that replays it (_pad), fill in the pending tokens from
+        prev's samples (_put_input_ids). A worked step, block_size 16: sequence A, a 100-token
+        prompt whose first 16 tokens were cached, computes its next chunk of 40 (positions 16-55,
+        blocks [7, 3, 9, 4]); sequence B, 70 tokens and a pending one, decodes position 70 (blocks
+        [2, 5, 8, 6, 1]). _flatten makes 41 rows of 2 sequences:
             input_ids     A's tokens 16..55, then 0 for B's pending token (filled on the device)
             positions     16, 17, .., 55, 70
             slot_mapping  48..63 (block 3), 144..159 (block 9), 64..71 (block 4), 22 (block 1)
@@ -1282,56 +1282,11 @@ class EngineCore:
                     preemptions_total=s.num_preemptions)
 
 # ---------------------------------------------------------------------------
-# Requests in, text out
-# The front end: everything per request that the engine core never needs: chat templates,
-# tokenizing, checks against the engine's limits, and token ids back to text (incremental
-# detokenization, stop strings). It runs in the caller's process (the server's, or LLM.generate's).
-
-def load_tokenizer(model_dir: str):
-    """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
-    from tokenizers import Tokenizer
-    path = Path(model_dir)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json")) \
-        if (path / "tokenizer.json").is_file() else None
-    conf = path / "tokenizer_config.json"
-    return tok, (json.loads(conf.read_text()) if conf.is_file() else {})
-
-@dataclass
-class Delta:
-    """What a request got since the last Delta taken: a stream sends each, a body joins them."""
-    index: int                        # which of a server request's choices
-    text: str                         # new text that is safe to send (may be "")
-    token_ids: list                   # the new tokens
-    logprobs: list                    # their (logprob, {token_id: logprob}), if asked
-    finish_reason: Optional[str]      # "stop", "length" or "error" on the last one
-    prompt_logprobs: Optional[list]   # on the first one, if asked
-
-class RequestState:
-    """One request as the front end sees it; LLM.generate returns these (vLLM's RequestOutput)."""
-
-    def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams,
-                 incremental: bool, index: int = 0):
-        self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
-        self.index = index                # which of a server request's choices
-        self.incremental = incremental or bool(params.stop)  # text per step, not at the end
-        self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
-        self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
-        # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
-        self.prefix_offset = self.read_offset = 0         # [prefix, read): shown, kept as context
-        self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
-        self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
-        self.first_token_time = self.finish_time = None
-        self.last_token_time, self.num_timed_tokens = None, 0   # the server's latency clock
-
-    def take_delta(self) -> Delta:
-        """All new since the last call; until the end, less a tail that could grow into a stop."""
-        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
-        end = max(self.num_sent_chars, len(self.text) - hold)
-        n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
-        delta = Delta(self.index, self.text[self.num_sent_chars:end], self.token_ids[n:],
-                      self.logprobs[n:], self.finish_reason, self.prompt_logprobs if first else None)
-        self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
-        return delta
+# Requests in: chat templates and tool calls (a skim on a first read)
+# The chat API's text conventions, used by the front end and the chat endpoint: a model's chat
+# template renders messages (and tools) into one prompt, and each model family writes a tool call
+# its own way: how the model is asked for one (_tools_as_text), the grammar that keeps a started
+# call valid (tool_call_grammar), and how calls are parsed back out of the text (split_tool_calls).
 
 def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
@@ -1398,6 +1353,105 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}")
 
+def tool_call_format(template: str, flag: str) -> str:
+    """The format of a model's "auto" calls: the flag's, else Llama's if its chat template writes
+    <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (what _tools_as_text asks
+    for)."""
+    if flag != "auto":
+        return flag
+    writes_llama_calls = "<|python_tag|>" in template or '"parameters"' in template
+    return "llama3" if writes_llama_calls and "<tool_call>" not in template else "hermes"
+
+def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
+    """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
+    or the one named, spaced as json.dumps (as models are trained), one unless parallel."""
+    key, lark = TOOL_CALL_FORMATS[fmt][2:]
+    schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
+                             "item_separator": ", "}, "anyOf": [
+        {"type": "object", "required": ["name", key], "additionalProperties": False,
+         "properties": {"name": {"const": t["function"]["name"]},
+                        key: t["function"].get("parameters", {"type": "object"})}}
+        for t in tools if choice in ("auto", "required", t["function"]["name"])]}
+    lark = lark if parallel else lark.replace(" (SEP call)*", "")
+    return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
+
+def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
+    """The content (text before the first call, less a tail that may yet open one or end in
+    whitespace, unless final) and calls ([name, arguments as JSON text so far]) of an answer so
+    far. Monotone: more text parses to this and more, so a stream sends only what is new."""
+    opening, closing, key = fmt[:3]       # a TOOL_CALL_FORMATS entry
+    trigger = opening.rstrip()
+    start = text.find(trigger) if trigger else \
+        len(text) - len(text.lstrip()) if text.lstrip()[:1] in "{" else -1   # "": not yet known
+    if start == -1:
+        held = next((k for k in range(len(trigger) - 1, 0, -1) if text.endswith(trigger[:k])), 0)
+        return (text if final else text[:len(text) - held].rstrip()), []
+    head = re.compile(rf'\s*(?:{re.escape(trigger) or ";"})?\s*\{{\s*"name"\s*:\s*'
+                      rf'("(?:[^"\\]|\\.)*")\s*,\s*"{key}"\s*:\s*')
+    calls, pos = [], start
+    while m := head.match(text, pos):
+        try:                          # the arguments end where their JSON value does
+            end = m.end() + json.JSONDecoder().raw_decode(text[m.end():])[1]
+        except ValueError:            # still being written, or cut short
+            return text[:start].rstrip(), calls + [[json.loads(m[1]), text[m.end():]]]
+        calls.append([json.loads(m[1]), text[m.end():end]])
+        if not (after := re.compile(r"\s*\}\s*" + re.escape(closing)).match(text, end)):
+            break
+        pos = after.end()
+    return text[:start].rstrip(), calls
+
+# ---------------------------------------------------------------------------
+# Requests in, text out
+# The front end: everything per request that the engine core never needs: chat templates (above),
+# tokenizing, checks against the engine's limits, and token ids back to text (incremental
+# detokenization, stop strings). It runs in the caller's process (the server's, or LLM.generate's).
+
+def load_tokenizer(model_dir: str):
+    """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
+    from tokenizers import Tokenizer
+    path = Path(model_dir)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json")) \
+        if (path / "tokenizer.json").is_file() else None
+    conf = path / "tokenizer_config.json"
+    return tok, (json.loads(conf.read_text()) if conf.is_file() else {})
+
+@dataclass
+class Delta:
+    """What a request got since the last Delta taken: a stream sends each, a body joins them."""
+    index: int                        # which of a server request's choices
+    text: str                         # new text that is safe to send (may be "")
+    token_ids: list                   # the new tokens
+    logprobs: list                    # their (logprob, {token_id: logprob}), if asked
+    finish_reason: Optional[str]      # "stop", "length" or "error" on the last one
+    prompt_logprobs: Optional[list]   # on the first one, if asked
+
+class RequestState:
+    """One request as the front end sees it; LLM.generate returns these (vLLM's RequestOutput)."""
+
+    def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams,
+                 incremental: bool, index: int = 0):
+        self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
+        self.index = index                # which of a server request's choices
+        self.incremental = incremental or bool(params.stop)  # text per step, not at the end
+        self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
+        self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
+        # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
+        self.prefix_offset = self.read_offset = 0         # [prefix, read): shown, kept as context
+        self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
+        self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
+        self.first_token_time = self.finish_time = None
+        self.last_token_time, self.num_timed_tokens = None, 0   # the server's latency clock
+
+    def take_delta(self) -> Delta:
+        """All new since the last call; until the end, less a tail that could grow into a stop."""
+        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
+        end = max(self.num_sent_chars, len(self.text) - hold)
+        n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
+        delta = Delta(self.index, self.text[self.num_sent_chars:end], self.token_ids[n:],
+                      self.logprobs[n:], self.finish_reason, self.prompt_logprobs if first else None)
+        self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
+        return delta
+
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
 
@@ -1405,11 +1459,7 @@ class FrontEnd:
         self.cfg, self.num_blocks = cfg, num_blocks
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate(tokenizer_config)
-        # "auto" calls: the flag's format, else Llama's if the template writes <|python_tag|> or
-        # "parameters" and no <tool_call>, else Hermes's (also what _tools_as_text asks for)
-        src, flag = self.chat_template.source, cfg.tool_call_parser
-        llama = "<tool_call>" not in src and ("<|python_tag|>" in src or '"parameters"' in src)
-        self.tool_call_format = flag if flag != "auto" else "llama3" if llama else "hermes"
+        self.tool_call_format = tool_call_format(self.chat_template.source, cfg.tool_call_parser)
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
@@ -1425,19 +1475,6 @@ class FrontEnd:
         if error:
             raise ValueError(f"the schema cannot be compiled: {error}")
         return grammar
-
-    def tool_call_grammar(self, fmt: str, tools: list, choice: str, parallel: bool) -> str:
-        """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
-        or the one named, spaced as json.dumps (as models are trained), one unless parallel."""
-        key, lark = TOOL_CALL_FORMATS[fmt][2:]
-        schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                                 "item_separator": ", "}, "anyOf": [
-            {"type": "object", "required": ["name", key], "additionalProperties": False,
-             "properties": {"name": {"const": t["function"]["name"]},
-                            key: t["function"].get("parameters", {"type": "object"})}}
-            for t in tools if choice in ("auto", "required", t["function"]["name"])]}
-        lark = lark if parallel else lark.replace(" (SEP call)*", "")
-        return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
 
     # -- requests in --
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
@@ -1478,7 +1515,8 @@ class FrontEnd:
     # -- outputs back --
     def process(self, outputs: list) -> tuple[list, list]:
         """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
-        string ended, for the engine core to abort (a token computed past the stop is dropped)."""
+        string ended, for the engine core to abort. Tokens computed past the stop are dropped: one
+        in-process, a few more behind the server, where the abort crosses two pipes."""
         now, changed = time.perf_counter(), {}
         for out in outputs:
             state = self.states.get(out.request_id)
@@ -1515,7 +1553,12 @@ class FrontEnd:
     def _detokenize(self, states: list):
         """Append each request's newly completed text. A window of a few tokens is decoded twice
         (before and after the new tokens), all requests in one batched call; text is added once it
-        no longer ends in U+FFFD, so a multi-byte character split over tokens is never half-sent."""
+        no longer ends in U+FFFD, so a multi-byte character split over tokens is never half-sent.
+        The window is token_ids[prefix_offset:]: the tokens already shown from prefix_offset to
+        read_offset are decoded again as context (a tokenizer may render a token differently after
+        another, a leading space say). Say tokens 0-4 are shown (offsets 3 and 5) and 5-6 arrive:
+        decode(3:5) = "ab", decode(3:) = "abcd", so "cd" is added and the offsets become 5 and 7.
+        Had token 6 been half an emoji, "abc\ufffd" would wait for the next token, offsets kept."""
         if self.tokenizer is None or not states:
             return
         windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
@@ -1778,9 +1821,11 @@ class EngineCoreClient:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing: a
-# request is parsed against its endpoint's table of fields, tokenized in a thread, run by
-# EngineCoreClient.generate, and made into chunks by its endpoint's _Shape: SSE events, or one body.
+# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. A
+# request's path: its handler (OpenAIServer.completions or .chat) parses the body against its
+# endpoint's table of fields and tokenizes in a thread; _respond hands EngineCoreClient.generate's
+# states to the endpoint's _Shape, whose chunks go out as SSE events (_EventStream runs
+# _Shape.stream, and turns a client that leaves into an abort) or fold into one body (_Shape.body).
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1873,31 +1918,6 @@ def _tool_choice(v, f) -> Optional[str]:
     if v not in (None, "none", "auto", "required") or v == "required" and not names:
         raise ValueError("must be 'none', 'auto', or with 'tools' 'required' or a named function")
     return None if v == "none" or not names else v or "auto"
-
-def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
-    """The content (text before the first call, less a tail that may yet open one or end in
-    whitespace, unless final) and calls ([name, arguments as JSON text so far]) of an answer so
-    far. Monotone: more text parses to this and more, so a stream sends only what is new."""
-    opening, closing, key = fmt[:3]       # a TOOL_CALL_FORMATS entry
-    trigger = opening.rstrip()
-    start = text.find(trigger) if trigger else \
-        len(text) - len(text.lstrip()) if text.lstrip()[:1] in "{" else -1   # "": not yet known
-    if start == -1:
-        held = next((k for k in range(len(trigger) - 1, 0, -1) if text.endswith(trigger[:k])), 0)
-        return (text if final else text[:len(text) - held].rstrip()), []
-    head = re.compile(rf'\s*(?:{re.escape(trigger) or ";"})?\s*\{{\s*"name"\s*:\s*'
-                      rf'("(?:[^"\\]|\\.)*")\s*,\s*"{key}"\s*:\s*')
-    calls, pos = [], start
-    while m := head.match(text, pos):
-        try:                          # the arguments end where their JSON value does
-            end = m.end() + json.JSONDecoder().raw_decode(text[m.end():])[1]
-        except ValueError:            # still being written, or cut short
-            return text[:start].rstrip(), calls + [[json.loads(m[1]), text[m.end():]]]
-        calls.append([json.loads(m[1]), text[m.end():end]])
-        if not (after := re.compile(r"\s*\}\s*" + re.escape(closing)).match(text, end)):
-            break
-        pos = after.end()
-    return text[:start].rstrip(), calls
 
 _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an object, [..]: an array
     model=str, max_tokens=int, seed=int, stop=(object, _stop), temperature=float,
@@ -2048,7 +2068,7 @@ class _Shape:
                 await write(_to_json(error.body))
         await write("[DONE]")
 
-    async def collect(self, chunks, request: Request) -> Optional[dict]:
+    async def body(self, chunks, request: Request) -> Optional[dict]:
         """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
         the whole "message". None if the client hangs up first: uvicorn does not cancel a handler
         whose client left, so each chunk asks, and closing `chunks` aborts the request."""
@@ -2062,6 +2082,35 @@ class _Shape:
             if "delta" in c:
                 c["message"] = c.pop("delta")
         return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
+
+@dataclass
+class _EventStream:
+    """A stream's ASGI response: `stream(write)` writes each event as it comes, one `send` each.
+    A task of its own listens for the client leaving, then cancels the writing: `stream` closing
+    its chunks runs their `finally` (the abort) now, not when the garbage collector gets to it."""
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
+    stream: functools.partial         # _Shape.stream, given its chunks: awaits write(data)
+
+    async def __call__(self, scope, receive, send):
+        async def write(data: str):       # server-sent events' framing
+            body = f"data: {data}\n\n".encode()
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        async def listen():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            writer.cancel()
+        writer, listener = asyncio.current_task(), asyncio.create_task(listen())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await self.stream(write)
+            await send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:
+            if listener.cancelled() or not listener.done():   # not the client: the server stops
+                raise
+            writer.uncancel()
+        finally:
+            listener.cancel()
 
 def _fold(whole: dict, chunk: dict):
     """Per key: strings and lists concatenate, objects fold alike, a value replaces only null."""
@@ -2173,35 +2222,6 @@ class _ChatShape(_Shape):
         return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
                             for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
 
-@dataclass
-class _EventStream:
-    """A stream's ASGI response: `stream(write)` writes each event as it comes, one `send` each.
-    A task of its own listens for the client leaving, then cancels the writing: `stream` closing
-    its chunks runs their `finally` (the abort) now, not when the garbage collector gets to it."""
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
-    stream: functools.partial         # _Shape.stream, given its chunks: awaits write(data)
-
-    async def __call__(self, scope, receive, send):
-        async def write(data: str):       # server-sent events' framing
-            body = f"data: {data}\n\n".encode()
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        async def listen():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            writer.cancel()
-        writer, listener = asyncio.current_task(), asyncio.create_task(listen())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            await self.stream(write)
-            await send({"type": "http.response.body", "body": b""})
-        except asyncio.CancelledError:
-            if listener.cancelled() or not listener.done():   # not the client: the server stops
-                raise
-            writer.uncancel()
-        finally:
-            listener.cancel()
-
 # -- the app --
 
 def _reject_constant(name: str):
@@ -2279,7 +2299,7 @@ class OpenAIServer:
         num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
         tool = f.get("tool_choice")     # None, "auto", "required" or a name; a call wins
         fmt = tool and (self.front.tool_call_format if tool == "auto" else "json")
-        grammar = await self._grammar(self.front.tool_call_grammar(
+        grammar = await self._grammar(tool_call_grammar(
             fmt, f["tools"], tool, f.get("parallel_tool_calls", True)), "tools") if tool else \
             await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
@@ -2343,13 +2363,13 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Lazy: the engine core sees nothing until the stream or collect reads the first state,
+        # Lazy: the engine core sees nothing until the stream or body reads the first state,
         # in this handler's turn of the event loop (_EventStream runs no task of its own for it)
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
             return _EventStream(functools.partial(shape.stream, chunks, include_usage))
-        body = await shape.collect(chunks, request)
+        body = await shape.body(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
 async def _error_response(request: Request, e: Exception) -> Response:

@@ -1885,7 +1885,7 @@ def test_tool_call_parsers(fmt, smol_llm):
     whether the text comes whole or in pieces of 1, 3 or 7 characters (markup split anywhere),
     no markup in any content delta; and the format's grammar accepts every complete answer."""
     tools = [WEATHER, TIME]
-    lark = smol_llm.front.tool_call_grammar(fmt, tools, "auto", True)
+    lark = ns.tool_call_grammar(fmt, tools, "auto", True)
     grammar = smol_llm.front.grammar(lark, True)
     tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"))
     for text, finish, content, calls in PARSER_CASES[fmt]:
@@ -2040,7 +2040,7 @@ def test_constrained_rows_in_the_engine(smol_llm):
                    for t in (0, 1.0)]
     tools = [WEATHER, TIME]
     auto = ns.SamplingParams(temperature=0, max_tokens=60, logit_bias=OPEN_A_CALL["hermes"],
-                             grammar=smol_llm.front.grammar(smol_llm.front.tool_call_grammar(
+                             grammar=smol_llm.front.grammar(ns.tool_call_grammar(
                                  "hermes", tools, "auto", False), True))
     ask_weather = [{"role": "user", "content": "What is the weather in Paris?"}]
     alone = smol_llm.generate(SMOL_PROMPTS[:2], GREEDY)
