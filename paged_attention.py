@@ -15,7 +15,7 @@ owns in order. This file holds the kernels that touch that pool:
     rope_store_kvcache       RoPE on q and k fused into store_kvcache
     rms_norm, silu_and_mul   the layers' elementwise steps, one launch each
     ATTENTION, norm, linear  which of these (or of the torch versions) the
-                             engine calls, chosen in the last section, with
+                             engine calls, chosen in the first section with
                              the sampler's argmax_rows and apply_token_mask
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
@@ -27,7 +27,7 @@ launches work sized from static shapes: no host sync, so the engine captures
 every step's forward pass, decode steps and steps with prompt tokens alike,
 in CUDA graphs.
 
-Without a GPU the engine runs the `*_sdpa` functions at the end of the file
+Without a GPU the engine runs the `*_sdpa` functions near the end of the file
 instead: torch's CPU flash attention over K/V read from the same pool.
 
 Left out on purpose: fp8 KV caches, sliding windows, ALiBi, logit soft-capping,
@@ -57,6 +57,172 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+# ----------------------------------------------------------------------------
+# What the engine calls, and what each call computes
+# The contracts first: each kernel's plain torch reference, which computes the
+# same thing one sequence or one op at a time; the tests hold every
+# implementation to these. Then the one place where the engine's implementation
+# of each step is chosen: nanoserve's layers call `norm` and `linear` (the
+# Triton kernels on the GPU, the torch references on the CPU), the sampler
+# `argmax_rows` (a reduction split for a lone row's sake) and
+# `apply_token_mask`, the model runner `cuda_graph_sizes`, and each Attention
+# layer one (rope_store, attend) pair of ATTENTION: rope_store rotates q in
+# place and writes the rotated k and v into the pool, attend reads the pool
+# through the step's AttentionMetadata (as decode when every sequence brings one
+# token). ATTENTION closes this file, since it names the kernels in between.
+
+
+def _gather_kv_ref(cache, block_table, L):
+    """The first L tokens of one sequence, gathered through its block table."""
+    num_blocks = -(-L // cache.shape[1])
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:L]  # (L, n_kv, hd)
+
+
+def _attend_ref(q, k, v, scale):
+    """Causal attention of the last T positions of a sequence over all its L keys.
+
+    q (T, n_heads, hd); k, v (L, n_kv, hd). Query j sits at position L - T + j,
+    so the causal diagonal is offset by the L - T cached tokens. Computed in fp32.
+    """
+    T, L = q.shape[0], k.shape[0]
+    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # (heads, T or L, hd)
+    # torch's is_causal puts the diagonal top-left, right only without a cached prefix.
+    is_causal = T == L
+    mask = None
+    if not is_causal and T > 1:
+        q_pos = torch.arange(L - T, L, device=q.device)  # (T,)
+        mask = torch.arange(L, device=q.device) <= q_pos[:, None]  # (T, L)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                       scale=scale, enable_gqa=True)  # (n_heads, T, hd)
+    return o.transpose(0, 1)  # (T, n_heads, hd)
+
+
+def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping):
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]  # (num_blocks * block_size, n_kv, hd)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+
+
+def rope_ref(x, positions, cos, sin):
+    """x (N_tok, heads, hd) rotated by each token's position, in fp32: the
+    "rotate half" layout of transformers, channel i paired with i + hd/2.
+    This is the model's own rotation; the CPU path runs it."""
+    cos, sin = cos[positions][:, None], sin[positions][:, None]  # (N_tok, 1, hd/2)
+    x1, x2 = x.float().chunk(2, dim=-1)  # (N_tok, heads, hd/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope_store_kvcache_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
+                           store=store_kvcache_ref):
+    q.copy_(rope_ref(q, positions, cos, sin))
+    store(rope_ref(k, positions, cos, sin), v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
+    out = torch.empty_like(q) if out is None else out
+    for b, L in enumerate(context_lens.tolist()):
+        if L == 0:  # padding row of a CUDA-graph batch
+            out[b] = 0
+            continue
+        k = _gather_kv_ref(k_cache, block_tables[b], L)
+        v = _gather_kv_ref(v_cache, block_tables[b], L)
+        out[b] = _attend_ref(q[b:b + 1], k, v, scale)[0]
+    return out
+
+
+def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                scale, out=None):
+    out = torch.empty_like(q) if out is None else out
+    cu = cu_seqlens_q.tolist()
+    for b, L in enumerate(context_lens.tolist()):
+        if cu[b + 1] == cu[b]:
+            continue
+        k = _gather_kv_ref(k_cache, block_tables[b], L)
+        v = _gather_kv_ref(v_cache, block_tables[b], L)
+        out[cu[b]:cu[b + 1]] = _attend_ref(q[cu[b]:cu[b + 1]], k, v, scale)
+    return out
+
+
+def rms_norm_ref(x, weight, eps):
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_and_mul_ref(x):
+    gate, up = x.float().chunk(2, dim=-1)  # (N_tok, I) each
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None):
+    """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
+    SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding."""
+    if silu_mul:
+        x = silu_and_mul_ref(x)
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    y = F.linear(x, weight)
+    return y if residual is None else (residual.float() + y.float()).to(y.dtype)
+
+
+def norm(x, weight, eps):                                   # (N_tok, D)
+    """RMSNorm (rms_norm_ref): one Triton launch on the GPU, torch ops on the CPU."""
+    return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
+
+
+def linear(x, weight, norm=None, silu_mul=False, residual=None):  # (N_tok, K) -> (N_tok, N)
+    """residual + f(x) @ weight.T, f being the RMSNorm module `norm`, SiLU-and-mul
+    (x = [gate, up]) or nothing, and residual optional: every matmul of a layer.
+
+    Prologue/epilogue fusion: at batch-1 decode on the GPU (GEMV_MAX_ROWS) a
+    matmul is one read of the weight, and a norm, activation or add of its own
+    costs a launch and a wait (~1.5 us) for almost no bytes. The GEMV applies f
+    to x as it streams in and adds the residual on the way out, so a decoder
+    layer takes 6 launches where launching each norm, SiLU-and-mul and add on
+    its own takes 11. Larger batches take cuBLAS and the elementwise kernels."""
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+        norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        return gemv(x, weight, norm_weight, eps, silu_mul, residual)
+    if silu_mul:
+        x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
+    y = F.linear(x if norm is None else norm(x), weight)   # (N_tok, N)
+    return y if residual is None else residual + y
+
+
+def argmax_rows(logits):                                      # (B, V)
+    """argmax over the vocabulary, as a two-level reduction: a lone row is too little work for
+    one reduction kernel (one block would walk all V entries, ~25 us for Llama-3's vocabulary),
+    so each row is cut into 64 chunks reduced side by side first. Ties go to the first index,
+    as in torch.argmax."""
+    B, V = logits.shape                                    # rows, vocabulary
+    if V % 64:
+        return logits.argmax(dim=-1)
+    best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
+    chunk = best.argmax(dim=-1, keepdim=True)                 # (B, 1)
+    return (chunk * (V // 64) + idx.gather(1, chunk)).squeeze(1)
+
+
+def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
+    """-inf for tokens a row's grammar forbids next: bit j of int32 word i allows token 32 i + j.
+    The bits are unpacked on the device, so a step copies V / 8 bytes per constrained row."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+
+
+def cuda_graph_sizes(max_num_seqs, max_num_batched_tokens):
+    """The sizes nanoserve captures a CUDA graph for, ascending, by kind (True: decode, in
+    sequences; False: steps with prompt tokens, in tokens). A step replays the next size up,
+    so the sizes trade padding against capture time and memory: decode 1, 2, 4, 8, then every
+    16; prompt steps every 16 up to 256, then 8 sizes per doubling."""
+    S, T, n = max_num_seqs, max_num_batched_tokens, 256
+    decode, mixed = {1, 2, 4, 8, *range(16, S + 1, 16), S}, {*range(16, 257, 16), T}
+    while n < T:
+        n += 2 ** (n.bit_length() - 4)     # an eighth of the last power of two
+        mixed.add(n)
+    return {True: sorted(n for n in decode if n <= S), False: sorted(n for n in mixed if n <= T)}
+
 
 # ----------------------------------------------------------------------------
 # Shared pieces
@@ -102,31 +268,6 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out
         assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
 
 
-def _gather_kv_ref(cache, block_table, L):
-    """The first L tokens of one sequence, gathered through its block table."""
-    num_blocks = -(-L // cache.shape[1])
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:L]  # (L, n_kv, hd)
-
-
-def _attend_ref(q, k, v, scale):
-    """Causal attention of the last T positions of a sequence over all its L keys.
-
-    q (T, n_heads, hd); k, v (L, n_kv, hd). Query j sits at position L - T + j,
-    so the causal diagonal is offset by the L - T cached tokens. Computed in fp32.
-    """
-    T, L = q.shape[0], k.shape[0]
-    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # (heads, T or L, hd)
-    # torch's is_causal puts the diagonal top-left, right only without a cached prefix.
-    is_causal = T == L
-    mask = None
-    if not is_causal and T > 1:
-        q_pos = torch.arange(L - T, L, device=q.device)  # (T,)
-        mask = torch.arange(L, device=q.device) <= q_pos[:, None]  # (T, L)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                       scale=scale, enable_gqa=True)  # (n_heads, T, hd)
-    return o.transpose(0, 1)  # (T, n_heads, hd)
-
-
 # ----------------------------------------------------------------------------
 # store_kvcache
 # Each step's new keys and values go into the pool before attention runs, at
@@ -166,13 +307,6 @@ def _store_kvcache_kernel(
     offs_cache = slot * n_kv * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(k_cache_ptr + offs_cache, k, mask=mask)
     tl.store(v_cache_ptr + offs_cache, v, mask=mask)
-
-
-def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping):
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]  # (num_blocks * block_size, n_kv, hd)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
 
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
@@ -452,18 +586,6 @@ def _decode_num_splits(B, n_kv, max_tiles, device):
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_tiles), DECODE_MAX_SPLITS)
 
 
-def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
-    out = torch.empty_like(q) if out is None else out
-    for b, L in enumerate(context_lens.tolist()):
-        if L == 0:  # padding row of a CUDA-graph batch
-            out[b] = 0
-            continue
-        k = _gather_kv_ref(k_cache, block_tables[b], L)
-        v = _gather_kv_ref(v_cache, block_tables[b], L)
-        out[b] = _attend_ref(q[b:b + 1], k, v, scale)[0]
-    return out
-
-
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
     """paged_attention_decode_ref in one launch. No host sync."""
     _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out)
@@ -630,19 +752,6 @@ def _prefill_kernel(
              mask=mask_m[:, None])
 
 
-def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                scale, out=None):
-    out = torch.empty_like(q) if out is None else out
-    cu = cu_seqlens_q.tolist()
-    for b, L in enumerate(context_lens.tolist()):
-        if cu[b + 1] == cu[b]:
-            continue
-        k = _gather_kv_ref(k_cache, block_tables[b], L)
-        v = _gather_kv_ref(v_cache, block_tables[b], L)
-        out[cu[b]:cu[b + 1]] = _attend_ref(q[cu[b]:cu[b + 1]], k, v, scale)
-    return out
-
-
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                             scale, out=None):
     """Rows of q past cu_seqlens_q[-1] (padding) are left unwritten. No host sync."""
@@ -698,11 +807,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * D + offs, (w.to(tl.float32) * h.to(tl.float32)).to(h.dtype), mask=mask)
 
 
-def rms_norm_ref(x, weight, eps):
-    h = x.float()
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def rms_norm(x, weight, eps):
     """rms_norm_ref in one launch. No host sync."""
     N_tok, D = x.shape
@@ -731,11 +835,6 @@ def _silu_and_mul_kernel(
     up = tl.load(x_ptr + row * 2 * I + I + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * I + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
              mask=mask)
-
-
-def silu_and_mul_ref(x):
-    gate, up = x.float().chunk(2, dim=-1)  # (N_tok, I) each
-    return (F.silu(gate) * up).to(x.dtype)
 
 
 def silu_and_mul(x):
@@ -882,17 +981,6 @@ def _gemv_kernel(
     tl.store(out_ptr + m * stride_om + offs_n, y, mask=mask_n)
 
 
-def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None):
-    """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
-    SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding."""
-    if silu_mul:
-        x = silu_and_mul_ref(x)
-    if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
-    y = F.linear(x, weight)
-    return y if residual is None else (residual.float() + y.float()).to(y.dtype)
-
-
 # (N, K) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps), from a sweep on an H200
 # with PDL (bf16, one row, Llama-3.2-1B shapes, each with its own prologue and
 # epilogue): every candidate timed inside a whole batch-1 decode step (16
@@ -1024,21 +1112,6 @@ def _rope_store_kvcache_kernel(
     tl.store(k_cache_ptr + offs_cache + HALF, k2.to(dtype), mask=mask)
     tl.store(v_cache_ptr + offs_cache, v1, mask=mask)
     tl.store(v_cache_ptr + offs_cache + HALF, v2, mask=mask)
-
-
-def rope_ref(x, positions, cos, sin):
-    """x (N_tok, heads, hd) rotated by each token's position, in fp32: the
-    "rotate half" layout of transformers, channel i paired with i + hd/2.
-    This is the model's own rotation; the CPU path runs it."""
-    cos, sin = cos[positions][:, None], sin[positions][:, None]  # (N_tok, 1, hd/2)
-    x1, x2 = x.float().chunk(2, dim=-1)  # (N_tok, heads, hd/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def rope_store_kvcache_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
-                           store=store_kvcache_ref):
-    q.copy_(rope_ref(q, positions, cos, sin))
-    store(rope_ref(k, positions, cos, sin), v, k_cache, v_cache, slot_mapping)
 
 
 def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin):
@@ -1186,16 +1259,9 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
 
 
 # ----------------------------------------------------------------------------
-# The engine's choice of implementation
-# nanoserve's layers call three names here, each the same whichever
-# implementation runs: the Attention layer one (rope_store, attend) pair of
-# ATTENTION (rope_store rotates q in place and writes the rotated k and v into
-# the pool; attend reads the pool through the step's AttentionMetadata, as
-# decode when every sequence brings one token); every layer `norm` and
-# `linear` (the Triton kernels on the GPU, the torch references on the CPU);
-# the sampler's `argmax_rows` (a reduction split for a lone row's sake) and
-# `apply_token_mask`; and the CUDA graphs' sizes (`cuda_graph_sizes`).
-
+# ATTENTION: the (rope_store, attend) pair of each implementation
+# The table that the first section describes, here because it names the kernels
+# defined in between.
 
 def _attend_with(decode, prefill):
     def attend(q, k_cache, v_cache, meta, scale):
@@ -1218,59 +1284,3 @@ ATTENTION = {
 }
 
 
-def norm(x, weight, eps):                                   # (N_tok, D)
-    """RMSNorm (rms_norm_ref): one Triton launch on the GPU, torch ops on the CPU."""
-    return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
-
-
-def linear(x, weight, norm=None, silu_mul=False, residual=None):  # (N_tok, K) -> (N_tok, N)
-    """residual + f(x) @ weight.T, f being the RMSNorm module `norm`, SiLU-and-mul
-    (x = [gate, up]) or nothing, and residual optional: every matmul of a layer.
-
-    Prologue/epilogue fusion: at batch-1 decode on the GPU (GEMV_MAX_ROWS) a
-    matmul is one read of the weight, and a norm, activation or add of its own
-    costs a launch and a wait (~1.5 us) for almost no bytes. The GEMV applies f
-    to x as it streams in and adds the residual on the way out, so a decoder
-    layer takes 6 launches where launching each norm, SiLU-and-mul and add on
-    its own takes 11. Larger batches take cuBLAS and the elementwise kernels."""
-    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
-        norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        return gemv(x, weight, norm_weight, eps, silu_mul, residual)
-    if silu_mul:
-        x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
-    y = F.linear(x if norm is None else norm(x), weight)   # (N_tok, N)
-    return y if residual is None else residual + y
-
-
-def argmax_rows(logits):                                      # (B, V)
-    """argmax over the vocabulary, as a two-level reduction: a lone row is too little work for
-    one reduction kernel (one block would walk all V entries, ~25 us for Llama-3's vocabulary),
-    so each row is cut into 64 chunks reduced side by side first. Ties go to the first index,
-    as in torch.argmax."""
-    B, V = logits.shape                                    # rows, vocabulary
-    if V % 64:
-        return logits.argmax(dim=-1)
-    best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
-    chunk = best.argmax(dim=-1, keepdim=True)                 # (B, 1)
-    return (chunk * (V // 64) + idx.gather(1, chunk)).squeeze(1)
-
-
-def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
-    """-inf for tokens a row's grammar forbids next: bit j of int32 word i allows token 32 i + j.
-    The bits are unpacked on the device, so a step copies V / 8 bytes per constrained row."""
-    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
-    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
-    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
-
-
-def cuda_graph_sizes(max_num_seqs, max_num_batched_tokens):
-    """The sizes nanoserve captures a CUDA graph for, ascending, by kind (True: decode, in
-    sequences; False: steps with prompt tokens, in tokens). A step replays the next size up,
-    so the sizes trade padding against capture time and memory: decode 1, 2, 4, 8, then every
-    16; prompt steps every 16 up to 256, then 8 sizes per doubling."""
-    S, T, n = max_num_seqs, max_num_batched_tokens, 256
-    decode, mixed = {1, 2, 4, 8, *range(16, S + 1, 16), S}, {*range(16, 257, 16), T}
-    while n < T:
-        n += 2 ** (n.bit_length() - 4)     # an eighth of the last power of two
-        mixed.add(n)
-    return {True: sorted(n for n in decode if n <= S), False: sorted(n for n in mixed if n <= T)}
