@@ -85,9 +85,10 @@ class Config:
                                    "(auto: triton on cuda, sdpa on cpu)")
     block_size: int = _flag(16, "tokens per KV-cache block (a power of two)")
     num_blocks: int = _flag(0, "KV blocks in the pool (0: sized from memory)")
-    gpu_memory_utilization: float = _flag(0.90, "fraction of GPU memory for weights + KV pool")
+    gpu_memory_utilization: float = _flag(0.90, "fraction of GPU memory for the weights, "
+                                                "activations and KV pool")
     cpu_kv_cache_gb: float = _flag(1.0, "KV pool size in GB on cpu")
-    max_num_seqs: int = _flag(1024, "most sequences in one step")
+    max_num_seqs: int = _flag(1024, "seats: most sequences in one step")
     max_num_batched_tokens: int = _flag(8192, "token budget of one step (prefill chunks + decodes)")
     max_model_len: int = _flag(0, "longest prompt + completion (0: the model's limit)")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompts seen before",
@@ -109,7 +110,7 @@ class Config:
     intermediate_size: int = field(init=False, default=0)      # I
     num_layers: int = field(init=False, default=0)
     num_heads: int = field(init=False, default=0)              # n_heads
-    num_kv_heads: int = field(init=False, default=0)           # n_kv, < n_heads for GQA
+    num_kv_heads: int = field(init=False, default=0)  # n_kv, < n_heads: grouped-query attention
     head_dim: int = field(init=False, default=0)               # hd
     rms_norm_eps: float = field(init=False, default=1e-5)
     rope_theta: float = field(init=False, default=10000.0)
@@ -232,10 +233,11 @@ def load_weights(model: nn.Module, cfg: Config):
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
 # live only in AttentionMetadata. Each kernel (pa.*) is called by what it computes; its contract is
-# the torch reference of the same name + "_ref" at the top of paged_attention.py, which picks the
-# implementation (Triton on the GPU, torch on the CPU) in one place. Attention and MLP take their
-# block's norm and residual as arguments because pa.linear applies a norm to a matmul's input and
-# adds a residual to its output: at batch 1 on the GPU, inside the one kernel that reads the weight.
+# a torch reference in paged_attention.py's first section (pa.norm: rms_norm_ref, pa.linear:
+# gemv_ref, attention: the *_ref ones), which also picks the implementation. Attention and MLP
+# take their block's norm and residual as arguments because pa.linear applies a norm to a matmul's
+# input and adds a residual to its output: at batch 1 on the GPU, inside the one kernel that reads
+# the weight.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -301,7 +303,7 @@ class Attention(nn.Module):
         self.scale = self.hd ** -0.5                       # softmax(q k^T / sqrt(hd))
         # triton, sdpa (the CPU path) or the torch references (pa.ATTENTION)
         self.rope_store, self.attend = pa.ATTENTION[cfg.attention]
-        # This layer's slice of the KV pool, set by ModelRunner.allocate_kv_cache.
+        # This layer's slice of the KV pool, set by ModelRunner._bind_kv_cache.
         self.k_cache = self.v_cache = None    # (num_blocks, block_size, n_kv, hd)
 
     def forward(self, x, positions, rope, meta: AttentionMetadata, norm=None, residual=None):
@@ -348,7 +350,7 @@ class DecoderLayer(nn.Module):
 # Model
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
 # every token; compute_logits() applies the final norm and the LM head only to the rows sampled
-# (each sequence's last token), through pa.linear like every other matmul.
+# (each sequence's last token; prompt rows too for prompt log-probs), through pa.linear.
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -438,9 +440,9 @@ class SamplingParams:
 @dataclass
 class SamplingBatch:
     """A step's per-row settings as device tensors; host flags let the sampler skip unasked work."""
-    temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows; None if all are
-    top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off
-    top_ps: Optional[torch.Tensor]    # (B,) float
+    temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows; None if all are, and
+    top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off;   then None too
+    top_ps: Optional[torch.Tensor]    # (B,) float;                        then None too
     generators: list                  # (row, torch.Generator) for seeded rows
     all_greedy: bool
     needs_top_k_top_p: bool
@@ -565,13 +567,13 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 # ---------------------------------------------------------------------------
 # Scheduler
 # Every step the scheduler decides which sequences run and how many of their tokens. The admission
-# rule: running sequences first (a decode is one token, an unfinished prefill a chunk of the token
-# budget), then waiting ones in arrival order while budget, seats (max_num_seqs) and blocks last: a
-# skipped decode would stall its stream for a step, for one token of the budget. At a burst (waiting
-# prompts fill whole steps), decodes ride along only every DECODES_EVERY-th step: in a full prompt
-# step a decode costs about what it costs in a step of its own (its K/V is read either way), so
-# first tokens come sooner while streams still move (README, Speed, has the figures). When the pool
-# runs dry, the latest admitted sequence is preempted: its blocks are freed, it is recomputed later.
+# rule: running sequences first, since a skipped decode stalls its stream for a whole step to save
+# one token of the budget (an unfinished prefill takes a chunk of it); then waiting ones in order
+# (arrival, a preempted one first) while budget, seats (max_num_seqs) and blocks last. At a burst
+# (waiting prompts fill whole steps), decodes ride along only every DECODES_EVERY-th step: in a full
+# prompt step a decode costs about what it costs in a step of its own (its K/V is read either way),
+# so first tokens come sooner while streams still move (README, Speed, has the figures). When the
+# pool runs dry, the latest admitted sequence is preempted: its blocks are freed, it is recomputed.
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
@@ -606,10 +608,10 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
-        self.num_pending_tokens = 0      # sampled, not yet in token_ids (the docstring above)
+        self.num_pending_tokens = 0      # launched to be sampled, not yet in token_ids (above)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
-        self.matcher = None              # with params.grammar: a Future of its matcher (EngineCore)
+        self.matcher = None   # with params.grammar: a Future of its llguidance matcher (EngineCore)
         self.prompt_logprobs: list = []  # (logprob, {token: logprob}) of prompt tokens 1, 2, ...
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
@@ -635,6 +637,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
+        self.num_steps += 1
         decodes_wait = self._decodes_wait(budget)
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
@@ -680,7 +683,6 @@ class Scheduler:
         while prompts can take their place: a seat is free, the pool has room for two full steps of
         prompt tokens (with less, admission soon stops on blocks and decodes would wait for
         nothing), and the waiting prompts fill at least this step."""
-        self.num_steps += 1
         if self.num_steps % self.DECODES_EVERY == 0:
             return False                          # this step, decodes ride along
         seat_free = len(self.running) < self.cfg.max_num_seqs
@@ -746,7 +748,9 @@ class Scheduler:
     def _count_prefix_hits(self, seq: Sequence):
         self.num_cached_tokens += seq.num_computed_tokens
         self.num_prompt_tokens += seq.num_tokens
-        if seq.num_tokens == seq.num_prompt_tokens:    # not a recompute after preemption
+        # no output yet: a recompute keeps its first count (a prompt preempted mid-prefill then
+        # counts its own named blocks as hits)
+        if seq.num_tokens == seq.num_prompt_tokens:
             seq.num_cached_tokens = seq.num_computed_tokens
 
     def _hash_full_blocks(self, seq: Sequence):
@@ -804,7 +808,7 @@ class LaunchedStep:
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
-    host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, on the host
+    host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, as host copies
     copied: Optional[torch.cuda.Event] = None   # set once `host` is filled (None on CPU)
 
 class ModelRunner:
@@ -892,17 +896,18 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
         """The step's inputs in the static buffers, in three parts: flatten the batch (_flatten),
         pad it to the size of the graph that replays it (_pad), fill in the pending tokens from
-        prev's samples (_put_input_ids). A worked step, block_size 16: sequence A, a 100-token
-        prompt whose first 16 tokens were cached, computes its next chunk of 40 (positions 16-55,
-        blocks [7, 3, 9, 4]); sequence B, 70 tokens and a pending one, decodes position 70 (blocks
-        [2, 5, 8, 6, 1]). _flatten makes 41 rows of 2 sequences:
-            input_ids     A's tokens 16..55, then 0 for B's pending token (filled on the device)
-            positions     16, 17, .., 55, 70
-            slot_mapping  48..63 (block 3), 144..159 (block 9), 64..71 (block 4), 22 (block 1)
-            context_lens  [56, 71]: each sequence's tokens in the cache once this step has run
-            cu_seqlens_q  [0, 40, 41]: A owns rows 0-39, B row 40
-            block_tables  [[7, 3, 9, 4, 0], [2, 5, 8, 6, 1]]: as wide as the longest, 0-padded
-        Only row 40 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 39
+        prev's samples (_put_input_ids). A worked step, block_size 16, a token budget of 41:
+        sequence B, running with 70 tokens and a pending one, decodes position 70 (blocks [2, 5,
+        8, 6, 1]); then sequence A, a 100-token prompt whose first 16 tokens were cached, takes the
+        40 tokens the budget has left (positions 16-55, blocks [7, 3, 9, 4]). _flatten makes 41
+        rows of 2 sequences:
+            input_ids     0 for B's pending token (filled on the device), then A's tokens 16..55
+            positions     70, 16, 17, .., 55
+            slot_mapping  22 (block 1), 48..63 (block 3), 144..159 (block 9), 64..71 (block 4)
+            context_lens  [71, 56]: each sequence's tokens in the cache once this step has run
+            cu_seqlens_q  [0, 1, 41]: B owns row 0, A rows 1-40
+            block_tables  [[2, 5, 8, 6, 1], [7, 3, 9, 4, 0]]: as wide as the longest, 0-padded
+        Only row 0 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 40
         would sample too). 41 tokens with a prompt among them replay the 48-token graph, so _pad
         adds 7 rows and 46 sequences: seven -1 slots, 46 context_lens of 0, 46 more cu_seqlens_q of
         41, and block_tables the buffer's full width; input_ids and positions keep what rows 41-47
@@ -1117,8 +1122,9 @@ class ModelRunner:
 # ---------------------------------------------------------------------------
 # Engine core
 # The step loop: schedule, launch, read back, hand each sampled token to its sequence. The engine
-# core sees token ids only; text, stop strings and all else per request live in the front end (next
-# section). It runs in a process of its own behind the server, in-process for LLM.generate.
+# core sees token ids only; text, stop strings and all else per request live in the front end
+# (Requests in, text out). It runs in a process of its own behind the server, in-process for
+# LLM.generate.
 
 @dataclass
 class EngineCoreRequest:
@@ -1141,7 +1147,7 @@ class EngineCoreOutput:
 @dataclass
 class EngineCoreOutputs:
     """What one turn of the engine core's loop sends back: a step's outputs, or none."""
-    outputs: list                     # EngineCoreOutput, one per sequence that sampled
+    outputs: list                     # EngineCoreOutput, one per sequence that sampled or failed
     stats: dict                       # EngineCore.stats() after the step (for /metrics)
 
 class EngineCore:
@@ -1154,7 +1160,7 @@ class EngineCore:
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
         self.num_generated_tokens = 0                      # for /metrics
         # Matchers are built on a thread of their own, never on the step loop:
-        # once per distinct grammar (the 64 latest kept); each request a copy.
+        # once per distinct grammar (the 64 most recently used kept); each request a copy.
         self.compiler = ThreadPoolExecutor(max_workers=1)
         self.built_matchers = functools.lru_cache(maxsize=64)(
             lambda grammar: llguidance.LLMatcher(self.llg_tokenizer, grammar))
@@ -1193,7 +1199,8 @@ class EngineCore:
         work still hides behind the new step's forward pass. Returns an EngineCoreOutput per
         sequence that sampled in the step read back and had not ended meanwhile (the first call
         reads nothing back: []). New requests join the next launch."""
-        prev, self.launched = self.launched, self._launch(self.launched)
+        prev = self.launched
+        self.launched = self._launch(prev)         # step N+1, before step N is read back
         outputs = self._commit(prev) if prev is not None else []
         if self.launched is not None:
             self.runner.sample(self.launched)
@@ -1207,14 +1214,14 @@ class EngineCore:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n        # their K/V are on the way into the cache
         for seq in step.seqs:
-            seq.num_pending_tokens += 1         # sampled, not yet read (see Sequence)
+            seq.num_pending_tokens += 1         # sampled after the next commit (see Sequence)
         return step
 
     def _commit(self, step: LaunchedStep) -> list:
         """Read a step's tokens back (its one host-device sync) and hand each to its sequence."""
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
-        host = [t.tolist() for t in step.host]   # tokens, then sample()'s log-probs: (B,) each
+        host = [t.tolist() for t in step.host]   # tokens (B,), then log-probs: (B,), (B, k), (B, k)
         outputs = []
         for i, seq in enumerate(step.seqs):
             seq.num_pending_tokens -= 1         # read: no longer pending (see Sequence)
@@ -1251,7 +1258,7 @@ class EngineCore:
     def _finish_reason(self, seq: Sequence, token: int) -> Optional[str]:
         p = seq.params
         if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
-                or seq.matcher is not None and seq.matcher.result().is_stopped():  # JSON complete
+                or (seq.matcher is not None and seq.matcher.result().is_stopped()):  # grammar done
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
@@ -1270,7 +1277,8 @@ class EngineCore:
                                  error=f"the engine failed: {error!r}") for s in failed]
 
     def stats(self) -> dict:
-        """The engine's gauges, and counters (the _total ones), by their /metrics names."""
+        """The engine's gauges, and counters (the _total ones), by their /metrics names less the
+        nanoserve_ prefix."""
         a, s = self.allocator, self.scheduler
         return dict(requests_running=len(s.running), requests_waiting=len(s.waiting),
                     kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,

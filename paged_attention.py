@@ -14,9 +14,10 @@ owns in order. This file holds the kernels that touch that pool:
                              also serves chunked prefill and decode rows
     rope_store_kvcache       RoPE on q and k fused into store_kvcache
     rms_norm, silu_and_mul   the layers' elementwise steps, one launch each
-    ATTENTION, norm, linear  which of these (or of the torch versions) the
-                             engine calls, chosen in the first section with
-                             the sampler's argmax_rows and apply_token_mask
+    norm, linear, ATTENTION  which of these (or of the torch versions) the
+                             engine calls: norm and linear chosen in the
+                             first section with the sampler's argmax_rows and
+                             apply_token_mask, ATTENTION in the last
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
@@ -63,10 +64,11 @@ import triton.language as tl
 # The contracts first: each kernel's plain torch reference, which computes the
 # same thing one sequence or one op at a time; the tests hold every
 # implementation to these. Then the one place where the engine's implementation
-# of each step is chosen: nanoserve's layers call `norm` and `linear` (the
-# Triton kernels on the GPU, the torch references on the CPU), the sampler
-# `argmax_rows` (a reduction split for a lone row's sake) and
-# `apply_token_mask`, the model runner `cuda_graph_sizes`, and each Attention
+# of each step is chosen: nanoserve's layers call `norm` and `linear` (on the
+# GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch
+# references on the CPU), the sampler `argmax_rows` (a reduction split for a
+# lone row's sake) and `apply_token_mask`, the model runner `cuda_graph_sizes`
+# and `set_cpu_threads` (the CPU path's section), and each Attention
 # layer one (rope_store, attend) pair of ATTENTION: rope_store rotates q in
 # place and writes the rotated k and v into the pool, attend reads the pool
 # through the step's AttentionMetadata (as decode when every sequence brings one
@@ -180,7 +182,10 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None):  # (N_tok, K) -
     costs a launch and a wait (~1.5 us) for almost no bytes. The GEMV applies f
     to x as it streams in and adds the residual on the way out, so a decoder
     layer takes 6 launches where launching each norm, SiLU-and-mul and add on
-    its own takes 11. Larger batches take cuBLAS and the elementwise kernels."""
+    its own takes 11. Larger batches take cuBLAS and the elementwise kernels.
+    (`norm` here is the RMSNorm module passed in, whose forward calls the
+    `norm` function above; GEMV_MAX_ROWS is 1, for the reason the GEMV's
+    section gives.)"""
     if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         return gemv(x, weight, norm_weight, eps, silu_mul, residual)
