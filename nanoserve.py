@@ -414,29 +414,6 @@ class SamplingParams:
     needs_output_history = property(lambda self: bool(   # a penalty reads the tokens so far
         self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1))
 
-    def validate(self, vocab_size: float = math.inf):       # the first word names the field
-        least = 0 if self.prompt_logprobs is not None else 1   # 0: score the prompt only
-        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
-            raise ValueError(f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}")
-        if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        for name, lo, hi in [("logprobs", 0, 20), ("prompt_logprobs", 0, 20),
-                             ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)]:
-            if getattr(self, name) is not None and not lo <= getattr(self, name) <= hi:
-                raise ValueError(f"{name} must be in [{lo}, {hi}], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        try:        # JSON object keys are strings: {"1234": -100}
-            self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
-        except (AttributeError, TypeError, ValueError, OverflowError):
-            self.logit_bias = {-1: 0.0}                        # refused just below
-        if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in self.logit_bias.items()):
-            raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
-
 @dataclass
 class SamplingBatch:
     """A step's per-row settings as device tensors; host flags let the sampler skip unasked work."""
@@ -1460,6 +1437,31 @@ class RequestState:
         self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
         return delta
 
+def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
+    """SamplingParams' own checks, each a ValueError whose first word names the field; logit_bias
+    leaves with int keys (JSON sends them as strings)."""
+    least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt only
+    if not isinstance(p.max_tokens, int) or p.max_tokens < least:
+        raise ValueError(f"max_tokens must be an integer >= {least}, got {p.max_tokens!r}")
+    if not 0 <= p.temperature < math.inf:
+        raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k == 0 or p.top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 1, got {p.top_k}")
+    for name, lo, hi in [("logprobs", 0, 20), ("prompt_logprobs", 0, 20),
+                         ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)]:
+        if getattr(p, name) is not None and not lo <= getattr(p, name) <= hi:
+            raise ValueError(f"{name} must be in [{lo}, {hi}], got {getattr(p, name)}")
+    if not 0 < p.repetition_penalty < math.inf:
+        raise ValueError(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    try:        # JSON object keys are strings: {"1234": -100}
+        p.logit_bias = {int(t): float(b) for t, b in (p.logit_bias or {}).items()}
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        p.logit_bias = {-1: 0.0}                        # refused just below
+    if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in p.logit_bias.items()):
+        raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
+
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
 
@@ -1499,7 +1501,7 @@ class FrontEnd:
 
     def validate(self, prompt_ids: list, params: SamplingParams):
         """Every check the engine core relies on, made before it sees the request."""
-        params.validate(self.cfg.vocab_size)
+        check_sampling_params(params, self.cfg.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:   # C loops, not Python
@@ -2359,7 +2361,7 @@ class OpenAIServer:
 
     def _validate(self, f: dict, prompt_ids: list, params: list):
         try:
-            for ids in prompt_ids:            # (also params.validate: the choices differ only
+            for ids in prompt_ids:            # (also the params' checks: the choices differ only
                 self.front.validate(ids, params[0])   # by seed, which any int is)
         except ValueError as e:
             name = str(e).split()[0]  # validate's messages start with their field, if any

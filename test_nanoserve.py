@@ -498,7 +498,7 @@ def history_seqs(V, specs, gen):
         ids = torch.randint(0, 60, (30,), generator=gen).tolist()
         seq = ns.Sequence(f"r{i}", ids[:18], params)
         seq.token_ids += ids[18:]                      # 12 generated tokens
-        params.validate(V)
+        ns.check_sampling_params(params, V)
         seqs.append(seq)
     return seqs
 
@@ -612,10 +612,10 @@ def test_sampling_params_errors_name_the_field():
              dict(logit_bias={"-1": 1}), dict(logit_bias={"5": 10 ** 400})]
     for kw in cases:
         with pytest.raises(ValueError, match="^" + next(iter(kw))):
-            ns.SamplingParams(**kw).validate(vocab_size=1000)
+            ns.check_sampling_params(ns.SamplingParams(**kw), vocab_size=1000)
     p = ns.SamplingParams(logit_bias={"5": -100, 6: 1}, presence_penalty=-2,
                           repetition_penalty=1.5)
-    p.validate(vocab_size=1000)
+    ns.check_sampling_params(p, vocab_size=1000)
     assert p.logit_bias == {5: -100.0, 6: 1.0} and p.needs_output_history
     assert not ns.SamplingParams(logit_bias={"5": 1}).needs_output_history
 
