@@ -1441,6 +1441,7 @@ class RequestState:
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
         self.last_token_time, self.num_timed_tokens = None, 0   # the server's latency clock
+        self.queue: Optional[asyncio.Queue] = None   # the server's: _deliver puts each change
 
     def take_delta(self) -> Delta:
         """All new since the last call; until the end, less a tail that could grow into a stop."""
@@ -1448,7 +1449,8 @@ class RequestState:
         end = max(self.num_sent_chars, len(self.text) - hold)
         n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
         delta = Delta(self.index, self.text[self.num_sent_chars:end], self.token_ids[n:],
-                      self.logprobs[n:], self.finish_reason, self.prompt_logprobs if first else None)
+                      self.logprobs[n:], self.finish_reason,
+                      self.prompt_logprobs if first else None)
         self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
         return delta
 
@@ -1692,18 +1694,18 @@ class EngineCoreClient:
         self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
                                    args=(cfg, inbox_end, outbox_end, setup), daemon=True)
         self.process.start()
-        inbox_end.close(), outbox_end.close()  # ours closed: a dead process reads as EOF
+        inbox_end.close()                      # the child's ends, closed here: a dead child
+        outbox_end.close()                     # then reads as EOF
         try:
             ready = self.outbox.recv()        # stats once loaded, or why it failed
         except EOFError:
-            ready = f"the engine core exited with code {self.process.join(5) or self.process.exitcode}"
+            self.process.join(5)
+            ready = f"the engine core exited with code {self.process.exitcode}"
         if isinstance(ready, str):
             raise ValueError(ready)
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
         self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
-        self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
-        # Sends go via one thread, in order: the event loop never blocks on a pipe full mid-step
-        self.outgoing = queue.SimpleQueue()   # lists of requests, or of an abort; None: close
+        self.outgoing = queue.SimpleQueue()   # to _send_all: lists of requests or aborts, or None
         threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True).start()
         # /metrics: latency histograms observed here; the engine core's counters (collect)
         self.metrics = prometheus_client.CollectorRegistry()
@@ -1728,7 +1730,8 @@ class EngineCoreClient:
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
-        self.queues.update((request_id, changed) for request_id in unfinished)
+        for request_id in unfinished:
+            self.front.states[request_id].queue = changed
         try:
             if self.error:                          # died since the handler checked
                 self._fail_all()
@@ -1741,7 +1744,7 @@ class EngineCoreClient:
                     yield state
         finally:
             for request_id in unfinished:
-                self.front.states.pop(request_id, None), self.queues.pop(request_id, None)
+                self.front.states.pop(request_id, None)
             self._abort(list(unfinished))
 
     def _abort(self, request_ids: list):
@@ -1749,8 +1752,9 @@ class EngineCoreClient:
             self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
 
     def _send_all(self):
-        """The sending thread: each message takes all that waits. One message per request, at a
-        burst, queued each behind the last for the GIL, which the busy event loop holds."""
+        """The sending thread, so that the event loop never blocks on a pipe full mid-step. Each
+        message takes all that waits, in order: one message per request, at a burst, would queue
+        each behind the last for the GIL, which the busy event loop holds."""
         items = []
         with contextlib.suppress(OSError):     # the engine core is gone: receive says so
             while None not in items:           # None: shut down, after all queued before it
@@ -1782,11 +1786,7 @@ class EngineCoreClient:
         now = time.perf_counter()                          # one clock reading for the whole batch
         for state in states:
             self._observe(state, now)
-            queue = self.queues.get(state.request_id)
-            if state.finish_reason is not None:
-                self.queues.pop(state.request_id, None)
-            if queue is not None:
-                queue.put_nowait(state)
+            state.queue.put_nowait(state)
 
     def _observe(self, state: RequestState, now: float):
         """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
@@ -1813,11 +1813,10 @@ class EngineCoreClient:
         self._fail_all()
 
     def _fail_all(self):
-        for request_id, queue in self.queues.items():
-            state = self.front.states.pop(request_id)
+        for state in self.front.states.values():
             state.finish_reason, state.error = "error", self.error
-            queue.put_nowait(state)
-        self.queues.clear()
+            state.queue.put_nowait(state)
+        self.front.states.clear()
 
 # ---------------------------------------------------------------------------
 # Server
@@ -2113,13 +2112,13 @@ class _EventStream:
             listener.cancel()
 
 def _fold(whole: dict, chunk: dict):
-    """Per key: strings and lists concatenate, objects fold alike, a value replaces only null."""
+    """Per key: strings and lists concatenate, objects fold alike, tool-call deltas join their
+    call (by index); any other value replaces the old one, except that null never does."""
     for key, value in chunk.items():
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
             _fold(old, value)
-        elif isinstance(value, list) and value and isinstance(value[0], dict) \
-                and "index" in value[0]:      # tool-call deltas join their call, by index
+        elif key == "tool_calls":
             calls = whole.setdefault(key, [])
             for item in value:
                 if item["index"] == len(calls):       # a new call (they come in order)
@@ -2309,18 +2308,17 @@ class OpenAIServer:
 
     async def _read(self, request: Request) -> dict:
         """The JSON body, refused as soon as it is too large (before it is read whole)."""
-        limit, chunks, size = self.cfg.max_request_bytes, [], 0
+        data, limit = bytearray(), self.cfg.max_request_bytes
         try:
             async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
+                data += chunk
+                if len(data) > limit:
                     raise APIError(413, f"the body is larger than {limit} bytes")
-                chunks.append(chunk)
         except ClientDisconnect:              # the client left mid-body: nobody to answer
             raise APIError(499, "the client closed the connection")
         try:
             # parse_constant: NaN and Infinity are Python's extension, not JSON
-            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+            body = json.loads(data, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep
             raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
         if not isinstance(body, dict):
@@ -2328,7 +2326,8 @@ class OpenAIServer:
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {str(model)[:100]!r} does not exist; this server "
-                                f"serves {self.model_name!r}", param="model", code="model_not_found")
+                                f"serves {self.model_name!r}", param="model",
+                           code="model_not_found")
         return body
 
     async def _grammar(self, source, field: str) -> Optional[str]:
@@ -2349,17 +2348,14 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param="prompt")
 
-    def _validate(self, f: dict, prompt_ids: list, params: list):
+    async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
+                       params: list) -> Response:
         try:
             for ids in prompt_ids:            # (also params.validate: the choices differ only
                 self.front.validate(ids, params[0])   # by seed, which any int is)
         except ValueError as e:
             name = str(e).split()[0]  # validate's messages start with their field, if any
             raise APIError(400, str(e), param=name if name in f else None)
-
-    async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
-                       params: list) -> Response:
-        self._validate(f, prompt_ids, params)
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
