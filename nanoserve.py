@@ -1355,8 +1355,7 @@ class ChatTemplate:
 
 def tool_call_format(template: str, flag: str) -> str:
     """The format of a model's "auto" calls: the flag's, else Llama's if its chat template writes
-    <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (what _tools_as_text asks
-    for)."""
+    <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (_tools_as_text's)."""
     if flag != "auto":
         return flag
     writes_llama_calls = "<|python_tag|>" in template or '"parameters"' in template
@@ -1503,7 +1502,7 @@ class FrontEnd:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
                              f"({params.max_tokens}) is {total} tokens, more than the "
                              f"context window of {self.cfg.max_model_len}")
-        if -(-total // self.cfg.block_size) > self.num_blocks:
+        if math.ceil(total / self.cfg.block_size) > self.num_blocks:
             raise ValueError(f"{total} tokens do not fit in the KV cache "
                              f"({self.num_blocks} blocks of {self.cfg.block_size})")
 
@@ -1791,13 +1790,15 @@ class EngineCoreClient:
     def _observe(self, state: RequestState, now: float):
         """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
         num_new = len(state.token_ids) - state.num_timed_tokens
-        if num_new:
-            first = state.last_token_time is None
-            (self.ttft if first else self.itl).observe(
-                now - (state.arrival_time if first else state.last_token_time))
-            for _ in range(num_new - 1):
-                self.itl.observe(0.0)
-            state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
+        if num_new == 0:
+            return
+        if state.last_token_time is None:
+            self.ttft.observe(now - state.arrival_time)
+        else:
+            self.itl.observe(now - state.last_token_time)
+        for _ in range(num_new - 1):
+            self.itl.observe(0.0)
+        state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
 
     def collect(self):
         """/metrics at a scrape: the engine core's gauges and counters, from its latest stats."""
@@ -1899,8 +1900,8 @@ _REQUIRED = _rule(lambda v, f: v is not None, "is required")
 def _response_format(v, f) -> Optional[dict]:
     """The JSON schema that response_format asks the output to match, if any."""
     kind = (v or {}).get("type", "text")
-    if kind not in ("text", "json_object", "json_schema") or kind == "json_schema" \
-            and "json_schema" not in v:
+    known = kind in ("text", "json_object") or kind == "json_schema" and "json_schema" in v
+    if not known:
         raise ValueError("must be of type 'text', 'json_object' or 'json_schema' (and then have "
                          "'json_schema')")
     return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
@@ -2030,7 +2031,7 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """Each chunk's choice: one per Delta with news in `states`, then `last`'s (the finish)."""
+        """The choices to send: the openings, one per Delta with news, then `last`'s (the finish)."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
@@ -2172,7 +2173,7 @@ class _ChatShape(_Shape):
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
-        self.call_format = call_format    # (opening, closing, key) of the calls; None: text
+        self.call_format = call_format    # a TOOL_CALL_FORMATS entry; None: no calls
         self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
 
     def opening(self, i: int) -> list:
@@ -2190,11 +2191,13 @@ class _ChatShape(_Shape):
         content, calls = split_tool_calls(self.call_format, text, final)
         delta = {"content": content[num_chars:]} if len(content) > num_chars else {}
         self.sent[d.index][1] = len(content)
-        new = [{"index": i, "function": {"arguments": arguments[num_args[i]:]}}
-               if i < len(num_args) else {"index": i, "id": f"call_{uuid.uuid4().hex[:24]}",
-               "type": "function", "function": {"name": name, "arguments": arguments}}
-               for i, (name, arguments) in enumerate(calls)      # a call's first delta names it
-               if i >= len(num_args) or len(arguments) > num_args[i]]
+        new = []
+        for i, (name, arguments) in enumerate(calls):
+            if i >= len(num_args):                 # a call's first delta names it
+                new.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": name, "arguments": arguments}})
+            elif len(arguments) > num_args[i]:
+                new.append({"index": i, "function": {"arguments": arguments[num_args[i]:]}})
         num_args[:] = [len(arguments) for _, arguments in calls]
         return delta | ({"tool_calls": new} if new else {})
 
@@ -2246,8 +2249,9 @@ class OpenAIServer:
         async def checked(request: Request):
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             # the scheme is case-insensitive (RFC 9110); compare_digest's timing hides the key
-            if self.cfg.api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
-                    given.strip().encode(), self.cfg.api_key.encode())):
+            key_ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                given.strip().encode(), self.cfg.api_key.encode())
+            if self.cfg.api_key and not key_ok:
                 raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                code="invalid_api_key")
             return await handler(request)
@@ -2297,10 +2301,13 @@ class OpenAIServer:
         room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
         num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
         tool = f.get("tool_choice")     # None, "auto", "required" or a name; a call wins
-        fmt = tool and (self.front.tool_call_format if tool == "auto" else "json")
-        grammar = await self._grammar(tool_call_grammar(
-            fmt, f["tools"], tool, f.get("parallel_tool_calls", True)), "tools") if tool else \
-            await self._grammar(f.get("response_format"), "response_format")
+        fmt = None                      # how the calls are written, if any
+        if tool:
+            fmt = self.front.tool_call_format if tool == "auto" else "json"   # json: forced
+            lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True))
+            grammar = await self._grammar(lark, "tools")
+        else:
+            grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
         shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt])
