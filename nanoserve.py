@@ -1820,12 +1820,9 @@ class EngineCoreClient:
         self.front.states.clear()
 
 # ---------------------------------------------------------------------------
-# Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. A
-# request's path: its handler (OpenAIServer.completions or .chat) parses the body against its
-# endpoint's table of fields and tokenizes in a thread; _respond hands EngineCoreClient.generate's
-# states to the endpoint's _Shape, whose chunks go out as SSE events (_EventStream runs
-# _Shape.stream, and turns a client that leaves into an abort) or fold into one body (_Shape.body).
+# Requests in: the OpenAI API's fields (a skim on a first read)
+# Each endpoint's body is checked against a table of its fields (parse_fields): a JSON type each,
+# and a rule where a field needs more; a bad field is a 400 in OpenAI's shape that names it.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1835,8 +1832,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-# -- request parsing: each endpoint has a table of its fields: a JSON type each, a rule if any --
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
@@ -1994,6 +1989,14 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                            seed=None if seed is None else (seed + i) % 2**64)
             for i in range(f.get("n", 1))]
 
+# ---------------------------------------------------------------------------
+# Server
+# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. A
+# request's path: its handler (OpenAIServer.completions or .chat) checks the body's fields
+# (parse_fields, above) and tokenizes in a thread; _respond hands EngineCoreClient.generate's states
+# to the endpoint's _Shape, whose chunks go out as SSE events (_EventStream runs _Shape.stream, and
+# turns a client that leaves into an abort) or fold into one body (_Shape.body).
+
 # -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
 _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
 
@@ -2031,7 +2034,7 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """The choices to send: the openings, one per Delta with news, then `last`'s (the finish)."""
+        """The choices to send: the openings, one per Delta with news, then `last`'s (the end)."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
