@@ -2043,9 +2043,10 @@ class _Shape:
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
                 self.num_completion_tokens += len(d.token_ids)
-                news = self.has_news(d) and self.choice(d)
-                if news and (news.get("delta") != {} or news["logprobs"]):   # tools hold back
-                    yield news | {"finish_reason": None}       # that is the last chunk's to say
+                if self.has_news(d):
+                    choice = self.choice(d)
+                    if choice.get("delta") != {} or choice["logprobs"]:   # tools hold back
+                        yield choice | {"finish_reason": None}   # that is the last chunk's to say
                 if d.finish_reason is not None:   # (an echo not sent yet goes with it)
                     yield self.last(state, d)
 
