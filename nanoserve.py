@@ -1790,15 +1790,14 @@ class EngineCoreClient:
     def _observe(self, state: RequestState, now: float):
         """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
         num_new = len(state.token_ids) - state.num_timed_tokens
-        if num_new == 0:
-            return
-        if state.last_token_time is None:
-            self.ttft.observe(now - state.arrival_time)
-        else:
-            self.itl.observe(now - state.last_token_time)
-        for _ in range(num_new - 1):
-            self.itl.observe(0.0)
-        state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
+        if num_new:
+            if state.last_token_time is None:
+                self.ttft.observe(now - state.arrival_time)
+            else:
+                self.itl.observe(now - state.last_token_time)
+            for _ in range(num_new - 1):
+                self.itl.observe(0.0)
+            state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
 
     def collect(self):
         """/metrics at a scrape: the engine core's gauges and counters, from its latest stats."""
@@ -2288,7 +2287,7 @@ class OpenAIServer:
         # max_tokens 0 (echo: prompt log-probs only) still samples a token; the engine core drops it
         grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
-                                       num_top if echo and num_top is not None else None, grammar)
+                                       num_top if echo else None, grammar)
         prompt_ids = [await self._encode(p) for p in prompts]
         shape = _CompletionShape(self, prompts, prompt_ids, num_top, echo, len(params))
         return await self._respond(request, f, shape, prompt_ids, params)
