@@ -2252,9 +2252,8 @@ class OpenAIServer:
         async def checked(request: Request):
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             # the scheme is case-insensitive (RFC 9110); compare_digest's timing hides the key
-            key_ok = scheme.lower() == "bearer" and hmac.compare_digest(
-                given.strip().encode(), self.cfg.api_key.encode())
-            if self.cfg.api_key and not key_ok:
+            if self.cfg.api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
+                    given.strip().encode(), self.cfg.api_key.encode())):
                 raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                code="invalid_api_key")
             return await handler(request)
