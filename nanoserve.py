@@ -2368,8 +2368,9 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Lazy: the engine core sees nothing until the stream or body reads the first state,
-        # in this handler's turn of the event loop (_EventStream runs no task of its own for it)
+        # Lazy: the engine core sees nothing until the stream or body reads the first state. A
+        # stream reads it in this handler's turn of the event loop (_EventStream runs no task of
+        # its own for it); a chat body one turn later (is_disconnected, for the opening chunk)
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
