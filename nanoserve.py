@@ -1340,8 +1340,7 @@ class ChatTemplate:
 
 def tool_call_format(template: str, flag: str) -> str:
     """The format of a model's "auto" calls: the flag's, else Llama's if its chat template writes
-    <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (what _tools_as_text asks
-    for)."""
+    <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (_tools_as_text's)."""
     if flag != "auto":
         return flag
     writes_llama_calls = "<|python_tag|>" in template or '"parameters"' in template
@@ -1426,6 +1425,7 @@ class RequestState:
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
         self.last_token_time, self.num_timed_tokens = None, 0   # the server's latency clock
+        self.queue: Optional[asyncio.Queue] = None   # the server's: _deliver puts each change
 
     def take_delta(self) -> Delta:
         """All new since the last call; until the end, less a tail that could grow into a stop."""
@@ -1433,7 +1433,8 @@ class RequestState:
         end = max(self.num_sent_chars, len(self.text) - hold)
         n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
         delta = Delta(self.index, self.text[self.num_sent_chars:end], self.token_ids[n:],
-                      self.logprobs[n:], self.finish_reason, self.prompt_logprobs if first else None)
+                      self.logprobs[n:], self.finish_reason,
+                      self.prompt_logprobs if first else None)
         self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
         return delta
 
@@ -1511,7 +1512,7 @@ class FrontEnd:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens "
                              f"({params.max_tokens}) is {total} tokens, more than the "
                              f"context window of {self.cfg.max_model_len}")
-        if -(-total // self.cfg.block_size) > self.num_blocks:
+        if math.ceil(total / self.cfg.block_size) > self.num_blocks:
             raise ValueError(f"{total} tokens do not fit in the KV cache "
                              f"({self.num_blocks} blocks of {self.cfg.block_size})")
 
@@ -1702,18 +1703,18 @@ class EngineCoreClient:
         self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
                                    args=(cfg, inbox_end, outbox_end, setup), daemon=True)
         self.process.start()
-        inbox_end.close(), outbox_end.close()  # ours closed: a dead process reads as EOF
+        inbox_end.close()                      # the child's ends, closed here: a dead child
+        outbox_end.close()                     # then reads as EOF
         try:
             ready = self.outbox.recv()        # stats once loaded, or why it failed
         except EOFError:
-            ready = f"the engine core exited with code {self.process.join(5) or self.process.exitcode}"
+            self.process.join(5)
+            ready = f"the engine core exited with code {self.process.exitcode}"
         if isinstance(ready, str):
             raise ValueError(ready)
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
         self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
-        self.queues: dict[str, asyncio.Queue] = {}   # request_id -> queue of its changes
-        # Sends go via one thread, in order: the event loop never blocks on a pipe full mid-step
-        self.outgoing = queue.SimpleQueue()   # lists of requests, or of an abort; None: close
+        self.outgoing = queue.SimpleQueue()   # to _send_all: lists of requests or aborts, or None
         threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True).start()
         # /metrics: latency histograms observed here; the engine core's counters (collect)
         self.metrics = prometheus_client.CollectorRegistry()
@@ -1738,7 +1739,8 @@ class EngineCoreClient:
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
-        self.queues.update((request_id, changed) for request_id in unfinished)
+        for request_id in unfinished:
+            self.front.states[request_id].queue = changed
         try:
             if self.error:                          # died since the handler checked
                 self._fail_all()
@@ -1751,7 +1753,7 @@ class EngineCoreClient:
                     yield state
         finally:
             for request_id in unfinished:
-                self.front.states.pop(request_id, None), self.queues.pop(request_id, None)
+                self.front.states.pop(request_id, None)
             self._abort(list(unfinished))
 
     def _abort(self, request_ids: list):
@@ -1759,8 +1761,9 @@ class EngineCoreClient:
             self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
 
     def _send_all(self):
-        """The sending thread: each message takes all that waits. One message per request, at a
-        burst, queued each behind the last for the GIL, which the busy event loop holds."""
+        """The sending thread, so that the event loop never blocks on a pipe full mid-step. Each
+        message takes all that waits, in order: one message per request, at a burst, would queue
+        each behind the last for the GIL, which the busy event loop holds."""
         items = []
         with contextlib.suppress(OSError):     # the engine core is gone: receive says so
             while None not in items:           # None: shut down, after all queued before it
@@ -1792,19 +1795,16 @@ class EngineCoreClient:
         now = time.perf_counter()                          # one clock reading for the whole batch
         for state in states:
             self._observe(state, now)
-            queue = self.queues.get(state.request_id)
-            if state.finish_reason is not None:
-                self.queues.pop(state.request_id, None)
-            if queue is not None:
-                queue.put_nowait(state)
+            state.queue.put_nowait(state)
 
     def _observe(self, state: RequestState, now: float):
         """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
         num_new = len(state.token_ids) - state.num_timed_tokens
         if num_new:
-            first = state.last_token_time is None
-            (self.ttft if first else self.itl).observe(
-                now - (state.arrival_time if first else state.last_token_time))
+            if state.last_token_time is None:
+                self.ttft.observe(now - state.arrival_time)
+            else:
+                self.itl.observe(now - state.last_token_time)
             for _ in range(num_new - 1):
                 self.itl.observe(0.0)
             state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
@@ -1823,19 +1823,15 @@ class EngineCoreClient:
         self._fail_all()
 
     def _fail_all(self):
-        for request_id, queue in self.queues.items():
-            state = self.front.states.pop(request_id)
+        for state in self.front.states.values():
             state.finish_reason, state.error = "error", self.error
-            queue.put_nowait(state)
-        self.queues.clear()
+            state.queue.put_nowait(state)
+        self.front.states.clear()
 
 # ---------------------------------------------------------------------------
-# Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. A
-# request's path: its handler (OpenAIServer.completions or .chat) parses the body against its
-# endpoint's table of fields and tokenizes in a thread; _respond hands EngineCoreClient.generate's
-# states to the endpoint's _Shape, whose chunks go out as SSE events (_EventStream runs
-# _Shape.stream, and turns a client that leaves into an abort) or fold into one body (_Shape.body).
+# Requests in: the OpenAI API's fields (a skim on a first read)
+# Each endpoint's body is checked against a table of its fields (parse_fields): a JSON type each,
+# and a rule where a field needs more; a bad field is a 400 in OpenAI's shape that names it.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1845,8 +1841,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-# -- request parsing: each endpoint has a table of its fields: a JSON type each, a rule if any --
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
@@ -1910,8 +1904,8 @@ _REQUIRED = _rule(lambda v, f: v is not None, "is required")
 def _response_format(v, f) -> Optional[dict]:
     """The JSON schema that response_format asks the output to match, if any."""
     kind = (v or {}).get("type", "text")
-    if kind not in ("text", "json_object", "json_schema") or kind == "json_schema" \
-            and "json_schema" not in v:
+    known = kind in ("text", "json_object") or kind == "json_schema" and "json_schema" in v
+    if not known:
         raise ValueError("must be of type 'text', 'json_object' or 'json_schema' (and then have "
                          "'json_schema')")
     return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
@@ -2004,6 +1998,14 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                            seed=None if seed is None else (seed + i) % 2**64)
             for i in range(f.get("n", 1))]
 
+# ---------------------------------------------------------------------------
+# Server
+# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. A
+# request's path: its handler (OpenAIServer.completions or .chat) checks the body's fields
+# (parse_fields, above) and tokenizes in a thread; _respond hands EngineCoreClient.generate's states
+# to the endpoint's _Shape, whose chunks go out as SSE events (_EventStream runs _Shape.stream, and
+# turns a client that leaves into an abort) or fold into one body (_Shape.body).
+
 # -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
 _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
 
@@ -2041,7 +2043,7 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """Each chunk's choice: one per Delta with news in `states`, then `last`'s (the finish)."""
+        """The choices to send: the openings, one per Delta with news, then `last`'s (the end)."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
@@ -2050,9 +2052,10 @@ class _Shape:
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
                 self.num_completion_tokens += len(d.token_ids)
-                news = self.has_news(d) and self.choice(d)
-                if news and (news.get("delta") != {} or news["logprobs"]):   # tools hold back
-                    yield news | {"finish_reason": None}       # that is the last chunk's to say
+                if self.has_news(d):
+                    choice = self.choice(d)
+                    if choice.get("delta") != {} or choice["logprobs"]:   # tools hold back
+                        yield choice | {"finish_reason": None}   # that is the last chunk's to say
                 if d.finish_reason is not None:   # (an echo not sent yet goes with it)
                     yield self.last(state, d)
 
@@ -2123,13 +2126,13 @@ class _EventStream:
             listener.cancel()
 
 def _fold(whole: dict, chunk: dict):
-    """Per key: strings and lists concatenate, objects fold alike, a value replaces only null."""
+    """Per key: strings and lists concatenate, objects fold alike, tool-call deltas join their
+    call (by index); any other value replaces the old one, except that null never does."""
     for key, value in chunk.items():
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
             _fold(old, value)
-        elif isinstance(value, list) and value and isinstance(value[0], dict) \
-                and "index" in value[0]:      # tool-call deltas join their call, by index
+        elif key == "tool_calls":
             calls = whole.setdefault(key, [])
             for item in value:
                 if item["index"] == len(calls):       # a new call (they come in order)
@@ -2183,7 +2186,7 @@ class _ChatShape(_Shape):
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
-        self.call_format = call_format    # (opening, closing, key) of the calls; None: text
+        self.call_format = call_format    # a TOOL_CALL_FORMATS entry; None: no calls
         self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
 
     def opening(self, i: int) -> list:
@@ -2201,11 +2204,13 @@ class _ChatShape(_Shape):
         content, calls = split_tool_calls(self.call_format, text, final)
         delta = {"content": content[num_chars:]} if len(content) > num_chars else {}
         self.sent[d.index][1] = len(content)
-        new = [{"index": i, "function": {"arguments": arguments[num_args[i]:]}}
-               if i < len(num_args) else {"index": i, "id": f"call_{uuid.uuid4().hex[:24]}",
-               "type": "function", "function": {"name": name, "arguments": arguments}}
-               for i, (name, arguments) in enumerate(calls)      # a call's first delta names it
-               if i >= len(num_args) or len(arguments) > num_args[i]]
+        new = []
+        for i, (name, arguments) in enumerate(calls):
+            if i >= len(num_args):                 # a call's first delta names it
+                new.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": name, "arguments": arguments}})
+            elif len(arguments) > num_args[i]:
+                new.append({"index": i, "function": {"arguments": arguments[num_args[i]:]}})
         num_args[:] = [len(arguments) for _, arguments in calls]
         return delta | ({"tool_calls": new} if new else {})
 
@@ -2291,7 +2296,7 @@ class OpenAIServer:
         # max_tokens 0 (echo: prompt log-probs only) still samples a token; the engine core drops it
         grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
-                                       num_top if echo and num_top is not None else None, grammar)
+                                       num_top if echo else None, grammar)
         prompt_ids = [await self._encode(p) for p in prompts]
         shape = _CompletionShape(self, prompts, prompt_ids, num_top, echo, len(params))
         return await self._respond(request, f, shape, prompt_ids, params)
@@ -2308,10 +2313,13 @@ class OpenAIServer:
         room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
         num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
         tool = f.get("tool_choice")     # None, "auto", "required" or a name; a call wins
-        fmt = tool and (self.front.tool_call_format if tool == "auto" else "json")
-        grammar = await self._grammar(tool_call_grammar(
-            fmt, f["tools"], tool, f.get("parallel_tool_calls", True)), "tools") if tool else \
-            await self._grammar(f.get("response_format"), "response_format")
+        fmt = None                      # how the calls are written, if any
+        if tool:
+            fmt = self.front.tool_call_format if tool == "auto" else "json"   # json: forced
+            lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True))
+            grammar = await self._grammar(lark, "tools")
+        else:
+            grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
         shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt])
@@ -2319,18 +2327,17 @@ class OpenAIServer:
 
     async def _read(self, request: Request) -> dict:
         """The JSON body, refused as soon as it is too large (before it is read whole)."""
-        limit, chunks, size = self.cfg.max_request_bytes, [], 0
+        data, limit = bytearray(), self.cfg.max_request_bytes
         try:
             async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
+                data += chunk
+                if len(data) > limit:
                     raise APIError(413, f"the body is larger than {limit} bytes")
-                chunks.append(chunk)
         except ClientDisconnect:              # the client left mid-body: nobody to answer
             raise APIError(499, "the client closed the connection")
         try:
             # parse_constant: NaN and Infinity are Python's extension, not JSON
-            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+            body = json.loads(data, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep
             raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
         if not isinstance(body, dict):
@@ -2338,7 +2345,8 @@ class OpenAIServer:
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {str(model)[:100]!r} does not exist; this server "
-                                f"serves {self.model_name!r}", param="model", code="model_not_found")
+                                f"serves {self.model_name!r}", param="model",
+                           code="model_not_found")
         return body
 
     async def _grammar(self, source, field: str) -> Optional[str]:
@@ -2359,22 +2367,20 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param="prompt")
 
-    def _validate(self, f: dict, prompt_ids: list, params: list):
+    async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
+                       params: list) -> Response:
         try:
             for ids in prompt_ids:            # (also the params' checks: the choices differ only
                 self.front.validate(ids, params[0])   # by seed, which any int is)
         except ValueError as e:
             name = str(e).split()[0]  # validate's messages start with their field, if any
             raise APIError(400, str(e), param=name if name in f else None)
-
-    async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
-                       params: list) -> Response:
-        self._validate(f, prompt_ids, params)
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Lazy: the engine core sees nothing until the stream or body reads the first state,
-        # in this handler's turn of the event loop (_EventStream runs no task of its own for it)
+        # Lazy: the engine core sees nothing until the stream or body reads the first state. A
+        # stream reads it in this handler's turn of the event loop (_EventStream runs no task of
+        # its own for it); a chat body one turn later (is_disconnected, for the opening chunk)
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
