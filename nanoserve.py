@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 import jinja2.sandbox                    # also binds jinja2
-import llguidance.numpy                  # also binds llguidance
+import llguidance
 import numpy as np
 import prometheus_client
 import torch
@@ -472,7 +472,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         and batch.allowed is None
     raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
     logits = raw if batch.logit_edits is None else apply_logit_edits(raw, batch.logit_edits)
-    logits = logits if batch.allowed is None else pa.apply_token_mask(logits, *batch.allowed)
+    if batch.allowed is not None:         # in place: on a copy if raw's log-probs are to come
+        keep_raw = logits is raw and batch.max_logprobs is not None
+        logits = pa.apply_token_mask(logits.clone() if keep_raw else logits, *batch.allowed)
     tokens = pa.argmax_rows(logits)                        # (B,), the greedy choice
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
@@ -777,7 +779,7 @@ class ModelRunner:
             context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
-        self.llg_executor = llguidance.LLExecutor()   # fills grammar masks (token_masks)
+        self.grammar_masks = pa.GrammarMasks(S, cfg.vocab_size, self.use_cuda)  # token_masks
         self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
         self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
         self.num_blocks = self.allocate_kv_cache()
@@ -937,10 +939,8 @@ class ModelRunner:
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return None                    # the common case: one check per row
-        bitmask = np.empty((len(rows), -(-self.cfg.vocab_size // 32)), dtype=np.int32)
-        matchers = [(seqs[row].matcher.result(), i) for i, row in enumerate(rows)]
-        llguidance.numpy.fill_next_token_bitmask_par(self.llg_executor, matchers, bitmask)
-        return self.to_device(rows, torch.int64), self.to_device(bitmask, torch.int32)
+        bitmask = self.grammar_masks.fill([seqs[row].matcher.result() for row in rows])
+        return self.to_device(rows, torch.int64), bitmask.to(self.device, non_blocking=True)
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
         """apply_logit_edits' entries: for each row with a bias or a penalty, one per distinct token
@@ -1171,14 +1171,15 @@ class EngineCore:
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
+        followed = [(s.matcher.result(), t) for s, t in zip(step.seqs, tokens)
+                    if s.matcher is not None and not s.is_finished]   # as the loop skips
+        self.runner.grammar_masks.consume(followed)   # the grammars follow the output, at once
         outputs = []
         for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
             seq.num_pending_tokens -= 1         # read: no longer pending (see step)
             if seq.is_finished:                 # aborted, or ended by the step before
                 continue
             seq.token_ids.append(token)
-            if seq.matcher is not None:        # the grammar follows the output, token by token
-                seq.matcher.result().consume_token(token)
             keep = seq.params.max_tokens > 0     # 0: only the prompt's log-probs were wanted
             out = EngineCoreOutput(seq.request_id, token if keep else None,
                                    num_cached_tokens=seq.num_cached_tokens)

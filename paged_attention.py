@@ -1186,6 +1186,94 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
 
 
 # ----------------------------------------------------------------------------
+# Grammar masks
+# A row under a grammar (structured output, tool calls) may only sample what its
+# llguidance matcher allows next. Each step the host fills one bitmask row per
+# constrained row (bit j of int32 word i allows token 32 i + j: V / 8 bytes),
+# on every core at once, and the device sets the forbidden logits to -inf in
+# place: one launch that reads the bits where they are, never unpacking them
+# into a (R, V) tensor nor copying whole logit rows. After the step is read
+# back, the matchers follow the sampled tokens, again all rows at once.
+
+
+class GrammarMasks:
+    """The host half: llguidance's thread pool (every core but one: the step loop
+    keeps its own), and one pinned bitmask buffer sized for a full step, reused
+    each step: the engine reads a step back (a sync past its bitmask copy) before
+    it fills the next one, so no copy in flight ever reads a row being rewritten."""
+
+    def __init__(self, max_rows, vocab_size, pin):
+        import llguidance.numpy                       # only where grammars are served
+        self.llg = llguidance
+        self.executor = llguidance.LLExecutor(max(1, (os.cpu_count() or 2) - 1))
+        self.bitmask = torch.empty(max_rows, triton.cdiv(vocab_size, 32), dtype=torch.int32,
+                                   pin_memory=pin)  # (max_rows, cdiv(V, 32))
+
+    def fill(self, matchers):
+        """The bitmasks of what each matcher allows next, (R, cdiv(V, 32)) int32 rows of the
+        pinned buffer; llguidance drops the GIL and splits the rows over its threads."""
+        bitmask = self.bitmask[:len(matchers)]
+        self.llg.numpy.fill_next_token_bitmask_par(
+            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
+        return bitmask
+
+    def consume(self, pairs):
+        """Each (matcher, sampled token) pair's matcher takes its token, in parallel (a rejected
+        one leaves its matcher in the error state, as consume_token does)."""
+        if pairs:
+            self.executor.consume_token_par(pairs)
+
+
+@triton.jit
+def _apply_token_mask_kernel(
+    logits_ptr,       # (B, V) fp32, masked in place
+    rows_ptr,         # (R,) int64: the logit row of each bitmask row
+    bitmask_ptr,      # (R, W) int32, W = cdiv(V, 32)
+    stride_logits,    # logits.stride(0)
+    stride_bitmask,   # bitmask.stride(0)
+    V,                # vocabulary size
+    BLOCK_WORDS: tl.constexpr,   # bitmask words per program: 32 * BLOCK_WORDS tokens
+):
+    """Program (r, j) masks tokens [32 BLOCK_WORDS j, 32 BLOCK_WORDS (j + 1)) of row r:
+    it loads BLOCK_WORDS words, expands each into its 32 bits in registers, and stores
+    -inf only where a bit is 0, so an allowed logit is neither read nor written."""
+    r, j = tl.program_id(0), tl.program_id(1)
+    row = tl.load(rows_ptr + r)
+    offs_w = j * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)                  # (BLOCK_WORDS,)
+    words = tl.load(bitmask_ptr + r * stride_bitmask + offs_w, mask=offs_w * 32 < V, other=-1)
+    offs_bit = tl.arange(0, 32)                                          # (32,)
+    bits = (words[:, None] >> offs_bit[None, :]) & 1                     # (BLOCK_WORDS, 32)
+    offs_tok = offs_w[:, None] * 32 + offs_bit[None, :]                  # (BLOCK_WORDS, 32)
+    forbidden = (bits == 0) & (offs_tok < V)
+    tl.store(logits_ptr + row * stride_logits + offs_tok,
+             tl.full((BLOCK_WORDS, 32), float("-inf"), tl.float32), mask=forbidden)
+
+
+def apply_token_mask_ref(logits, rows, bitmask):   # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
+    """-inf in place for tokens a row's grammar forbids next: bit j of int32 word i of bitmask
+    row r allows token 32 i + j of logit row rows[r]. Returns logits."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def apply_token_mask_triton(logits, rows, bitmask, BLOCK_WORDS=32):
+    """apply_token_mask_ref in one launch (_apply_token_mask_kernel): R x V / 8 bytes
+    read, and a write of 4 bytes per forbidden token only."""
+    B, V = logits.shape
+    R, W = bitmask.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1, "fp32 rows, contiguous"
+    assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and W == triton.cdiv(V, 32)
+    assert rows.shape == (R,) and rows.dtype == torch.int64
+    if R:
+        grid = (R, triton.cdiv(W, BLOCK_WORDS))
+        _apply_token_mask_kernel[grid](logits, rows, bitmask, logits.stride(0),
+                                       bitmask.stride(0), V, BLOCK_WORDS=BLOCK_WORDS)
+    return logits
+
+
+# ----------------------------------------------------------------------------
 # The engine's choice of implementation
 # nanoserve's layers call three names here, each the same whichever
 # implementation runs: the Attention layer one (rope_store, attend) pair of
@@ -1256,11 +1344,12 @@ def argmax_rows(logits):                                      # (B, V)
 
 
 def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
-    """-inf for tokens a row's grammar forbids next: bit j of int32 word i allows token 32 i + j.
-    The bits are unpacked on the device, so a step copies V / 8 bytes per constrained row."""
-    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
-    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
-    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+    """-inf, in place, for tokens a row's grammar forbids next (apply_token_mask_ref): one
+    Triton launch on the GPU (the interpreter would be slow on the CPU: torch there).
+    The host copies V / 8 bytes per constrained row, the bits stay packed."""
+    if logits.is_cuda:
+        return apply_token_mask_triton(logits, rows, bitmask)
+    return apply_token_mask_ref(logits, rows, bitmask)
 
 
 def cuda_graph_sizes(max_num_seqs, max_num_batched_tokens):

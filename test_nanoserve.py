@@ -1007,6 +1007,37 @@ def test_rms_norm_and_silu_and_mul(device, dtype, N_tok, D):
 
 
 # ----------------------------------------------------------------------------
+# Grammar masks: the in-place Triton mask against its torch reference, and the
+# reference against the mask spelled out token by token.
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(NO_CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("B,V,rows", [(5, 1000, [3, 0]), (4, 49152, [0, 1, 2, 3]), (3, 97, [])])
+def test_apply_token_mask_kernel(device, B, V, rows):
+    """Random bits, a V that 32 does not divide (a last word's bits past V left set), rows out of
+    order, unconstrained rows (exactly unchanged) and no constrained row at all."""
+    gen = torch.Generator().manual_seed(V)
+    logits = torch.randn(B, V, generator=gen)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (len(rows), -(-V // 32)), generator=gen,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[:, -1] |= -1 << (V % 32) if V % 32 else 0       # bits past V: allowed, never stored
+    allowed = torch.ones(B, V, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        allowed[row] = torch.tensor([bool(int(bitmask[r, t // 32]) >> (t % 32) & 1)
+                                     for t in range(V)])
+    expected = logits.masked_fill(~allowed, float("-inf"))
+    ref = pa.apply_token_mask_ref(logits.clone(), torch.tensor(rows, dtype=torch.int64), bitmask)
+    assert torch.equal(ref, expected)
+    dev = logits.to(device)
+    out = pa.apply_token_mask_triton(dev, torch.tensor(rows, dtype=torch.int64, device=device),
+                                     bitmask.to(device))
+    assert out is dev, "in place"
+    print(f"{len(rows)} of {B} rows, V={V}: {int((~allowed).sum())} tokens masked")
+    assert torch.equal(out.cpu(), expected)
+
+
+# ----------------------------------------------------------------------------
 # The CPU path (torch SDPA over K/V gathered from the pool) against the same
 # references and NaN-poisoned pools; plain torch, so no interpreter needed.
 
