@@ -1214,19 +1214,25 @@ LIST_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["it
 def host_timers(llm):
     """Wrap token_masks and _commit with timers; return their totals: [steps, rows, seconds]."""
     engine, totals = llm.engine, {"mask": [0, 0, 0.0], "commit": [0, 0, 0.0]}
-    fill, commit = engine.runner.token_masks, engine._commit
+    commit = engine._commit
+    # the fill itself where it has a name of its own (on a thread: token_masks only starts it)
+    owner = getattr(engine.runner, "grammar_masks", engine.runner)
+    name = "fill" if owner is not engine.runner else "token_masks"
+    fill = getattr(owner, name)
 
     def add(name, rows, seconds):
         t = totals[name]
         t[0], t[1], t[2] = t[0] + 1, t[1] + rows, t[2] + seconds
 
-    def timed_masks(seqs):
-        start, out = time.perf_counter(), fill(seqs)
+    def timed_masks(arg):                  # token_masks(seqs) -> (rows, bitmask), or fill(matchers)
+        start, out = time.perf_counter(), fill(arg)
         if out is not None:
-            add("mask", len(out[0]), time.perf_counter() - start)
+            add("mask", len(out[0]) if name == "token_masks" else len(arg),
+                time.perf_counter() - start)
         return out
 
     def timed_commit(step):
+        getattr(engine.runner, "finish_sample", lambda step: None)(step)   # sampled, if not yet
         if step.copied is not None:
             step.copied.synchronize()          # the wait for the device is not the host's work
         start, out = time.perf_counter(), commit(step)
@@ -1234,7 +1240,8 @@ def host_timers(llm):
         if rows:
             add("commit", rows, time.perf_counter() - start)
         return out
-    engine.runner.token_masks, engine._commit = timed_masks, timed_commit
+    setattr(owner, name, timed_masks)
+    engine._commit = timed_commit
     return totals
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, functools, hmac, json, math
 import multiprocessing, os, queue, re, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -759,6 +759,7 @@ class LaunchedStep:
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
+    masks: Optional[Future] = None    # token_masks', while they fill (ModelRunner.sample)
     host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, on the host
     copied: Optional[torch.cuda.Event] = None   # set once `host` is filled (None on CPU)
 
@@ -909,6 +910,7 @@ class ModelRunner:
                        prev: Optional["LaunchedStep"]):
         """The input ids, pending tokens copied from prev's samples on the device."""
         ids = self.buffers["input_ids"]
+        self.finish_sample(prev)          # its masks filled while this step was prepared
         if pending and batch.is_decode and batch.seqs == prev.seqs:
             ids[:len(batch.seqs)].copy_(prev.tokens)   # a steady decode: same rows, no host ids
             return
@@ -919,7 +921,7 @@ class ModelRunner:
             ids.index_copy_(0, self.to_device(rows, torch.int64),
                             prev.tokens[self.to_device(src, torch.int64)])
 
-    def sampling_batch(self, seqs: list) -> SamplingBatch:
+    def sampling_batch(self, seqs: list, allowed: Optional[tuple] = None) -> SamplingBatch:
         params, V = [s.params for s in seqs], self.cfg.vocab_size
         all_greedy = all(p.temperature == 0 for p in params)
         def per_row(values, dtype):            # an all-greedy batch needs no per-row tensors
@@ -932,15 +934,15 @@ class ModelRunner:
             all_greedy=all_greedy,
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            logit_edits=self.logit_edits(seqs), allowed=self.token_masks(seqs))
+            logit_edits=self.logit_edits(seqs), allowed=allowed)
 
     def token_masks(self, seqs: list) -> Optional[tuple]:
-        """pa.apply_token_mask's rows, and bitmasks of what may follow from their matchers."""
+        """A Future of pa.apply_token_mask's rows, and bitmasks of what may follow from their matchers."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return None                    # the common case: one check per row
-        bitmask = self.grammar_masks.fill([seqs[row].matcher.result() for row in rows])
-        return self.to_device(rows, torch.int64), bitmask.to(self.device, non_blocking=True)
+        matchers = [seqs[row].matcher.result() for row in rows]
+        return self.grammar_masks.fill_async(matchers, rows, self.device)
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
         """apply_logit_edits' entries: for each row with a bias or a penalty, one per distinct token
@@ -987,13 +989,21 @@ class ModelRunner:
             hidden = hidden.index_select(0, self.to_device(inputs.sample_rows, torch.int64))
         return LaunchedStep(batch, seqs, self.model.compute_logits(hidden))  # (B, V) logits
 
-    @torch.no_grad()
     def sample(self, step: LaunchedStep):
         """Sample a launched step's rows and start copying tokens back, once the step before is
-        read back and while this one's forward pass runs: penalties and grammars see every token."""
-        if not step.seqs:
-            return
-        step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs))
+        read back and while this one's forward pass runs: penalties and grammars see every token.
+        Grammar rows wait for their masks, filled on other cores while the host prepares the next
+        step (pa.GrammarMasks): finish_sample, once its inputs or the read-back need the tokens."""
+        step.masks = self.token_masks(step.seqs)
+        if step.masks is None:
+            self.finish_sample(step)
+
+    @torch.no_grad()
+    def finish_sample(self, step: Optional[LaunchedStep]):
+        if step is None or step.tokens is not None or not step.seqs:
+            return                         # sampled already, or nothing to sample
+        allowed = step.masks.result() if step.masks else None   # waits for the masks
+        step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs, allowed))
         step.host = [step.tokens, *(logprobs or ())]      # (B,) each
         if self.use_cuda:
             step.host = [t.to("cpu", non_blocking=True) for t in step.host]  # into pinned memory
@@ -1168,12 +1178,12 @@ class EngineCore:
 
     def _commit(self, step: LaunchedStep) -> list:
         """Read a step's tokens back (its one host-device sync) and hand each to its sequence."""
+        self.runner.finish_sample(step)         # unless the step after needed its tokens
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
-        followed = [(s.matcher.result(), t) for s, t in zip(step.seqs, tokens)
-                    if s.matcher is not None and not s.is_finished]   # as the loop skips
-        self.runner.grammar_masks.consume(followed)   # the grammars follow the output, at once
+        self.runner.grammar_masks.consume([(s.matcher.result(), t) for s, t in zip(
+            step.seqs, tokens) if s.matcher is not None])   # the grammars follow the output
         outputs = []
         for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
             seq.num_pending_tokens -= 1         # read: no longer pending (see step)
@@ -1861,8 +1871,9 @@ COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=(object, _prompt), echo=bool, lo
     suffix=(str, _rule(lambda v, f: not v, "(insertion) is not supported")))
 CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, top_logprobs=int,
     max_completion_tokens=int, parallel_tool_calls=bool,
-    tools=[{"type": str, "function": ({"name": (str, _REQUIRED), "description": str,
-                                       "parameters": dict, "strict": bool}, _REQUIRED)}],
+    tools=[{"type": str, "function": ({"name": (str, _rule(lambda v, f: re.fullmatch(
+        r"[a-zA-Z0-9_-]{1,64}", v or ""), "must be 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's)")),
+        "description": str, "parameters": dict, "strict": bool}, _REQUIRED)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",

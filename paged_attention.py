@@ -50,6 +50,7 @@ Dimension letters, used in every shape comment:
     T           new (query) tokens of one sequence
 """
 
+import concurrent.futures
 import functools
 import os
 
@@ -1208,6 +1209,17 @@ class GrammarMasks:
         self.executor = llguidance.LLExecutor(max(1, (os.cpu_count() or 2) - 1))
         self.bitmask = torch.empty(max_rows, triton.cdiv(vocab_size, 32), dtype=torch.int32,
                                    pin_memory=pin)  # (max_rows, cdiv(V, 32))
+        self.thread = concurrent.futures.ThreadPoolExecutor(1)   # waits on the pool for fill_async
+
+    def fill_async(self, matchers, rows, device):
+        """fill on a thread of its own, then both copies queued: a Future of (rows, bitmask) on
+        the device, apply_token_mask's arguments (the default stream: the sampler's, after)."""
+        def fill_and_copy():
+            bitmask = self.fill(matchers).to(device, non_blocking=True)
+            rows_host = torch.tensor(rows, dtype=torch.int64)
+            return rows_host.pin_memory().to(device, non_blocking=True) if bitmask.is_cuda \
+                else rows_host, bitmask
+        return self.thread.submit(fill_and_copy)
 
     def fill(self, matchers):
         """The bitmasks of what each matcher allows next, (R, cdiv(V, 32)) int32 rows of the

@@ -2008,6 +2008,8 @@ BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
       "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]},   # auto
      "tools[0].function.name"),
+    *[({"tools": [WEATHER, {"type": "function", "function": {"name": name}}]},
+       "tools[1].function.name") for name in ("", "x</tool_call>", "f" * 300)],   # OpenAI's rule
     ({"messages": [{"role": "tool", "content": "21 degrees"}]}, "messages"),   # no tool_call_id
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": "f"}]}]},
      "messages"),
@@ -2016,6 +2018,20 @@ BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"stream_options": {"unknown": True}}, "stream_options.unknown"),
 ]
+
+
+def test_tool_names_follow_openai():
+    """A tool's name is 1-64 of a-z, A-Z, 0-9, _ and -, as OpenAI checks it: anything else (an
+    empty name, the call's own markup, 300 letters, a newline after a good name) is a 400."""
+    spec = {"tools": ns.CHAT_FIELDS["tools"]}
+    for name in ("a", "get_weather-2", "Z" * 64):
+        tools = [{"type": "function", "function": {"name": name}}]
+        assert ns.parse_fields({"tools": tools}, spec)["tools"] == tools
+    for name in ("", "x</tool_call>", "f" * 300, "f" * 65, "get weather", "f\n", "é"):
+        with pytest.raises(ns.APIError) as e:
+            ns.parse_fields({"tools": [{"type": "function", "function": {"name": name}}]}, spec)
+        assert e.value.status == 400, name
+        assert e.value.body["error"]["param"] == "tools[0].function.name", name
 
 
 def test_structured_output_bad_input_is_a_400(server):
