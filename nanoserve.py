@@ -992,14 +992,12 @@ class ModelRunner:
     def sample(self, step: LaunchedStep):
         """Sample a launched step's rows and start copying tokens back, once the step before is
         read back and while this one's forward pass runs: penalties and grammars see every token.
-        Grammar rows wait for their masks, filled on other cores while the host prepares the next
-        step (pa.GrammarMasks): finish_sample, once its inputs or the read-back need the tokens."""
+        Grammar rows wait for their masks (finish_sample), which fill as the next step is prepared."""
         step.masks = self.token_masks(step.seqs)
         if step.masks is None:
             self.finish_sample(step)
 
-    @torch.no_grad()
-    def finish_sample(self, step: Optional[LaunchedStep]):
+    def finish_sample(self, step: Optional[LaunchedStep]):     # no grad: the logits have none
         if step is None or step.tokens is not None or not step.seqs:
             return                         # sampled already, or nothing to sample
         allowed = step.masks.result() if step.masks else None   # waits for the masks

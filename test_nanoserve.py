@@ -2048,6 +2048,36 @@ def test_structured_output_bad_input_is_a_400(server):
         idle["nanoserve_generated_tokens_total"]
 
 
+def test_grammar_masks_match_one_matcher_at_a_time():
+    """pa.GrammarMasks fills on its thread pool exactly the bitmasks each matcher computes alone,
+    into rows of its reused buffer, and its parallel consume moves each matcher as consume_token
+    does (a rejected token: the error state). Matchers at different points of one JSON schema."""
+    import numpy as np
+    V = ns.Config(ensure_smol(), device="cpu").vocab_size     # the engine's vocabulary
+    tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"), n_vocab=V)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(PERSON))
+    texts = ['', '{"name": "Al', '{"name": "Al", "age": 4', '{"name": "Al", "age": 40, "color": "']
+    def matchers():
+        out = [llguidance.LLMatcher(tokenizer, grammar) for _ in texts]
+        for m, text in zip(out, texts):
+            assert m.consume_tokens(tokenizer.tokenize_str(text)) if text else True
+        return out
+    masks = pa.GrammarMasks(len(texts) + 2, V, pin=False)
+    for _ in range(2):                                  # the buffer reused: no stale bits
+        rows, bitmask = masks.fill_async(matchers(), [3, 0, 2, 1], "cpu").result()
+        assert rows.tolist() == [3, 0, 2, 1] and bitmask.shape == (len(texts), -(-V // 32))
+        for m, got in zip(matchers(), bitmask):
+            alone = np.frombuffer(m.compute_bitmask(), np.int32)[:len(got)]   # (+1 word there)
+            assert np.array_equal(got.numpy(), alone) and alone.any()
+    ids = [tokenizer.tokenize_str(t)[0] for t in ['{"', 'bert', '"', 'xyz']]
+    together, alone = matchers(), matchers()
+    masks.consume(list(zip(together, ids)))
+    for a, b, t in zip(together, alone, ids):
+        assert b.consume_token(t) == (not a.is_error()), t
+        assert a.compute_bitmask() == b.compute_bitmask()
+    assert [m.is_error() for m in together] == [False, False, True, True]
+
+
 def test_constrained_rows_in_the_engine(smol_llm):
     """Offline: unconstrained requests batched with constrained ones are token
     for token what they are alone; a constrained request preempted and
