@@ -780,7 +780,9 @@ class ModelRunner:
             context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
-        self.grammar_masks = pa.GrammarMasks(S, cfg.vocab_size, self.use_cuda)  # token_masks
+        self.grammar_masks = pa.GrammarMasks(   # grammars' matchers and masks (token_masks)
+            str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
+            self.use_cuda)
         self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
         self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
         self.num_blocks = self.allocate_kv_cache()
@@ -1100,11 +1102,8 @@ class EngineCore:
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
         self.num_generated_tokens = 0                      # for /metrics
         # Matchers are built on a thread of their own, never on the step loop:
-        # once per distinct grammar (the 64 latest kept); each request a copy.
+        # once per distinct grammar, each request a copy (pa.GrammarMasks.new_matcher).
         self.compiler = ThreadPoolExecutor(max_workers=1)
-        self.built_matchers = functools.lru_cache(maxsize=64)(
-            lambda grammar: llguidance.LLMatcher(self.llg_tokenizer, grammar))
-        self.llg_tokenizer = None          # llguidance's view of the vocabulary, built once
 
     def add_request(self, request: EngineCoreRequest):
         """Queue a checked request (FrontEnd.validate); it joins the batch next step."""
@@ -1112,16 +1111,10 @@ class EngineCore:
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
         if request.params.grammar is not None:   # ready long before its first sample, mostly
-            seq.matcher = self.compiler.submit(self._new_matcher, request.params.grammar)
+            seq.matcher = self.compiler.submit(self.runner.grammar_masks.new_matcher,
+                                               request.params.grammar)
         self.seqs[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
-
-    def _new_matcher(self, grammar: str):
-        """On the compile thread: a copy of the grammar's matcher, built the first time."""
-        self.llg_tokenizer = self.llg_tokenizer or llguidance.LLTokenizer(
-            str(Path(self.cfg.model) / "tokenizer.json"), n_vocab=self.cfg.vocab_size,
-            eos_token=self.cfg.eos_token_ids)
-        return self.built_matchers(grammar).deep_copy()
 
     def abort_request(self, request_id: str):
         """Stop a request now; its blocks go back to the pool."""

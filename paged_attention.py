@@ -1198,18 +1198,32 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
 
 
 class GrammarMasks:
-    """The host half: llguidance's thread pool (every core but one: the step loop
-    keeps its own), and one pinned bitmask buffer sized for a full step, reused
-    each step: the engine reads a step back (a sync past its bitmask copy) before
-    it fills the next one, so no copy in flight ever reads a row being rewritten."""
+    """The host half: each request's matcher, its masks filled on every core but one (the step
+    loop keeps its own), the sampled tokens followed. llguidance fills the masks of matchers
+    that share an LLTokenizer one at a time, so requests are dealt round families, one per
+    fill thread: request n's matcher is a copy of its grammar's matcher built on tokenizer
+    n % num_threads (each tokenizer built on first use: ~0.2 s; each grammar once per family).
+    One pinned bitmask buffer, sized for a full step, is reused every step: the engine reads a
+    step back (a sync past its bitmask copy) before it fills the next one."""
 
-    def __init__(self, max_rows, vocab_size, pin):
+    def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
         import llguidance.numpy                       # only where grammars are served
         self.llg = llguidance
-        self.executor = llguidance.LLExecutor(max(1, (os.cpu_count() or 2) - 1))
+        self.num_threads = max(1, (os.cpu_count() or 2) - 1)
+        self.executor = llguidance.LLExecutor(self.num_threads)
+        self.tokenizer = functools.lru_cache(maxsize=None)(lambda family: llguidance.LLTokenizer(
+            tokenizer_path, n_vocab=vocab_size, eos_token=eos_token_ids))
+        self.built = functools.lru_cache(maxsize=64 * self.num_threads)(   # the 64 latest grammars
+            lambda grammar, family: llguidance.LLMatcher(self.tokenizer(family), grammar))
+        self.num_matchers = 0
         self.bitmask = torch.empty(max_rows, triton.cdiv(vocab_size, 32), dtype=torch.int32,
                                    pin_memory=pin)  # (max_rows, cdiv(V, 32))
         self.thread = concurrent.futures.ThreadPoolExecutor(1)   # waits on the pool for fill_async
+
+    def new_matcher(self, grammar):
+        """A request's own matcher: on one thread only (the engine's compile thread)."""
+        family, self.num_matchers = self.num_matchers % self.num_threads, self.num_matchers + 1
+        return self.built(grammar, family).deep_copy()
 
     def fill_async(self, matchers, rows, device):
         """fill on a thread of its own, then both copies queued: a Future of (rows, bitmask) on

@@ -2051,7 +2051,8 @@ def test_structured_output_bad_input_is_a_400(server):
 def test_grammar_masks_match_one_matcher_at_a_time():
     """pa.GrammarMasks fills on its thread pool exactly the bitmasks each matcher computes alone,
     into rows of its reused buffer, and its parallel consume moves each matcher as consume_token
-    does (a rejected token: the error state). Matchers at different points of one JSON schema."""
+    does (a rejected token: the error state). Matchers at different points of one JSON schema;
+    then the matchers it builds for requests, each a fresh one."""
     import numpy as np
     V = ns.Config(ensure_smol(), device="cpu").vocab_size     # the engine's vocabulary
     tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"), n_vocab=V)
@@ -2062,7 +2063,8 @@ def test_grammar_masks_match_one_matcher_at_a_time():
         for m, text in zip(out, texts):
             assert m.consume_tokens(tokenizer.tokenize_str(text)) if text else True
         return out
-    masks = pa.GrammarMasks(len(texts) + 2, V, pin=False)
+    masks = pa.GrammarMasks(os.path.join(SMOL_DIR, "tokenizer.json"), [2], len(texts) + 2, V,
+                            pin=False)
     for _ in range(2):                                  # the buffer reused: no stale bits
         rows, bitmask = masks.fill_async(matchers(), [3, 0, 2, 1], "cpu").result()
         assert rows.tolist() == [3, 0, 2, 1] and bitmask.shape == (len(texts), -(-V // 32))
@@ -2076,6 +2078,11 @@ def test_grammar_masks_match_one_matcher_at_a_time():
         assert b.consume_token(t) == (not a.is_error()), t
         assert a.compute_bitmask() == b.compute_bitmask()
     assert [m.is_error() for m in together] == [False, False, True, True]
+    # each request's own matcher, from the families in turn: fresh, and none shares a state
+    own = [masks.new_matcher(grammar) for _ in range(masks.num_threads + 1)]
+    assert own[0].consume_tokens(tokenizer.tokenize_str(texts[2]))
+    for m in own[1:]:
+        assert m.compute_bitmask() == llguidance.LLMatcher(tokenizer, grammar).compute_bitmask()
 
 
 def test_constrained_rows_in_the_engine(smol_llm):
