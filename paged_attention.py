@@ -14,6 +14,9 @@ owns in order. This file holds the kernels that touch that pool:
                              also serves chunked prefill and decode rows
     rope_store_kvcache       RoPE on q and k fused into store_kvcache
     rms_norm, silu_and_mul   the layers' elementwise steps, one launch each
+    GrammarMasks             grammar masks filled on the host's cores, off
+                             the step loop; apply_token_mask_triton applies
+                             one in place
     ATTENTION, norm, linear  which of these (or of the torch versions) the
                              engine calls, chosen in the last section, with
                              the sampler's argmax_rows and apply_token_mask
@@ -1199,17 +1202,18 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
 
 class GrammarMasks:
     """The host half: each request's matcher, its masks filled on every core but one (the step
-    loop keeps its own), the sampled tokens followed. llguidance fills the masks of matchers
-    that share an LLTokenizer one at a time, so requests are dealt round families, one per
-    fill thread: request n's matcher is a copy of its grammar's matcher built on tokenizer
-    n % num_threads (each tokenizer built on first use: ~0.2 s; each grammar once per family).
+    loop keeps its own; 16 at most), the sampled tokens followed. Copies of one matcher had their
+    masks filled one at a time on a 16-core host (as long per row for 26 rows as for 256), so
+    requests are dealt round families, one per fill thread, that share nothing: request n's
+    matcher copies its grammar's matcher built on tokenizer n % num_threads (a tokenizer is
+    built on first use, ~0.2 s; a grammar once per family).
     One pinned bitmask buffer, sized for a full step, is reused every step: the engine reads a
     step back (a sync past its bitmask copy) before it fills the next one."""
 
     def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
         import llguidance.numpy                       # only where grammars are served
         self.llg = llguidance
-        self.num_threads = max(1, (os.cpu_count() or 2) - 1)
+        self.num_threads = min(16, max(1, (os.cpu_count() or 2) - 1))   # 16: 3 s of tokenizers
         self.executor = llguidance.LLExecutor(self.num_threads)
         self.tokenizer = functools.lru_cache(maxsize=None)(lambda family: llguidance.LLTokenizer(
             tokenizer_path, n_vocab=vocab_size, eos_token=eos_token_ids))
