@@ -939,7 +939,7 @@ class ModelRunner:
             logit_edits=self.logit_edits(seqs), allowed=allowed)
 
     def token_masks(self, seqs: list) -> Optional[tuple]:
-        """A Future of pa.apply_token_mask's rows, and bitmasks of what may follow from their matchers."""
+        """A Future of pa.apply_token_mask's rows and bitmasks (what their matchers allow next)."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return None                    # the common case: one check per row
@@ -994,7 +994,7 @@ class ModelRunner:
     def sample(self, step: LaunchedStep):
         """Sample a launched step's rows and start copying tokens back, once the step before is
         read back and while this one's forward pass runs: penalties and grammars see every token.
-        Grammar rows wait for their masks (finish_sample), which fill as the next step is prepared."""
+        Grammar rows wait for their masks (finish_sample): they fill as the next step is built."""
         step.masks = self.token_masks(step.seqs)
         if step.masks is None:
             self.finish_sample(step)
@@ -1173,8 +1173,8 @@ class EngineCore:
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         tokens, *logprobs = [t.tolist() for t in step.host] or [[]]  # host lists, (B,) each
-        self.runner.grammar_masks.consume([(s.matcher.result(), t) for s, t in zip(
-            step.seqs, tokens) if s.matcher is not None])   # the grammars follow the output
+        self.runner.grammar_masks.consume([(s.matcher.result(), t) for s, t in zip(step.seqs,
+            tokens) if s.matcher is not None and not s.is_finished])  # grammars follow the output
         outputs = []
         for i, (seq, token) in enumerate(zip(step.seqs, tokens)):
             seq.num_pending_tokens -= 1         # read: no longer pending (see step)
