@@ -18,8 +18,8 @@ the same inputs.
                 and SDPA on contiguous K/V, over batch x context
     prefix      shared-prefix requests with prefix caching on and off
     structured  offline throughput with 0%, 10% and 100% of the requests
-                constrained to a JSON schema, 10% with tool_choice "auto"'s
-                grammar, and the host time of the masks
+                constrained to a JSON schema, 10% and 100% under tool_choice
+                "auto"'s grammar, and the host time of the grammars
 
 Every number is taken after a warm-up and with the device synchronized, and
 each setting prints one line with a hardware-relative figure next to the raw
@@ -38,6 +38,7 @@ GPU (H100/H200; the model defaults to --random llama-3.2-1b there):
     python bench.py serve --json bench_out/serve.json      # 400 requests at 32/s and at once
     python bench.py kernel --json bench_out/kernel.json
     python bench.py prefix --json bench_out/prefix.json
+    python bench.py structured --tokenizer weights/SmolLM2-135M-Instruct --json bench_out/structured.json
   (throughput without --hf-num-seqs runs transformers on all 256 requests:
   several minutes more; --model DIR runs a real checkpoint instead)
 
@@ -279,22 +280,30 @@ def write_tokenizer(path, vocab_size, bos_id, eos_id, max_len):
         "eos_token": f"<t{eos_id}>", "unk_token": "<t0>", "model_max_length": max_len}, indent=1))
 
 
-def build_random_model(name, out_dir, device):
-    """Build, save and return the folder of a random-weight model; reused when present."""
-    path = Path(out_dir) / f"random-{name}"
+def build_random_model(name, out_dir, device, tokenizer=None):
+    """Build, save and return the folder of a random-weight model; reused when present. With a
+    tokenizer folder, the model takes its tokenizer and its vocabulary's size, BOS and EOS."""
+    path = Path(out_dir) / (f"random-{name}" + (f"-{Path(tokenizer).name}" if tokenizer else ""))
     if (path / "tokenizer.json").is_file() and any(path.glob("*.safetensors")):
         return path
     from transformers import LlamaConfig, LlamaForCausalLM
     log(f"building random {name} on {device} into {path}")
-    spec = RANDOM_MODELS[name]
+    spec = dict(RANDOM_MODELS[name])
+    if tokenizer:
+        config = json.loads((Path(tokenizer) / "config.json").read_text())
+        spec.update({k: config[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")})
     torch.manual_seed(0)
     with torch.device(device):  # init on the device: seconds instead of minutes for 1B
         model = LlamaForCausalLM(LlamaConfig(**spec))
     tmp = path.with_name(path.name + ".tmp")  # rename at the end: no half-written model is reused
     shutil.rmtree(tmp, ignore_errors=True)
     model.to("cpu", torch.bfloat16).save_pretrained(tmp)
-    write_tokenizer(tmp, spec["vocab_size"], spec["bos_token_id"], spec["eos_token_id"],
-                    spec["max_position_embeddings"])
+    if tokenizer:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer) / f, tmp / f)
+    else:
+        write_tokenizer(tmp, spec["vocab_size"], spec["bos_token_id"], spec["eos_token_id"],
+                        spec["max_position_embeddings"])
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     del model
@@ -1186,68 +1195,90 @@ def plot_kernel(curves, hw, out_dir):
 # Offline throughput with a share of the requests constrained to a JSON schema
 # (none, a tenth, all), or to tool_choice "auto"'s grammar (free text, strict
 # from <tool_call> on: the random prompts never get there, so this is what a
-# free row under a lazy grammar costs), greedy with EOS ignored: what the
-# grammars cost the whole batch, and the host time of filling their masks,
-# per step and per row.
-# The grammar needs a real tokenizer: a random model gets --tokenizer's.
+# free row under a lazy grammar costs), greedy with EOS ignored by free rows:
+# what the grammars cost the whole batch. The schema asks for exactly 24
+# strings, so that a random model cannot close its JSON early. The host's time
+# per step is split in two, each per step with a constrained row and per such
+# row: mask_* (ModelRunner.token_masks: the bitmasks of what may come next)
+# and commit_* (EngineCore._commit past its wait for the tokens: the matchers
+# follow the tokens, and the end checks).
+# The grammar needs a real tokenizer: --tokenizer gives a random model its
+# tokenizer and vocabulary (the embedding cut to the tokenizer's rows, so that
+# no row can pick an id the grammar cannot see).
 
 LIST_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
-               "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12}}}}
+               "properties": {"items": {"type": "array", "minItems": 24, "maxItems": 24,
+                                        "items": {"type": "string", "maxLength": 12}}}}
 
 
-def with_tokenizer(model_dir, tokenizer_dir):
-    """A folder with model_dir's weights and tokenizer_dir's tokenizer (links)."""
-    path = Path(str(model_dir) + "-tok")
-    path.mkdir(exist_ok=True)
-    files = [f for f in Path(model_dir).iterdir() if not f.name.startswith(("tokenizer", "config"))]
-    for f in files + [Path(tokenizer_dir) / "tokenizer.json", Path(tokenizer_dir) / "tokenizer_config.json"]:
-        (path / f.name).unlink(missing_ok=True)
-        (path / f.name).symlink_to(f.resolve())
-    config = json.loads((Path(model_dir) / "config.json").read_text())   # its EOS: the tokenizer's
-    config["eos_token_id"] = json.loads((Path(tokenizer_dir) / "config.json").read_text())["eos_token_id"]
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+def host_timers(llm):
+    """Wrap token_masks and _commit with timers; return their totals: [steps, rows, seconds]."""
+    engine, totals = llm.engine, {"mask": [0, 0, 0.0], "commit": [0, 0, 0.0]}
+    commit = engine._commit
+    # the fill itself where it has a name of its own (on a thread: token_masks only starts it)
+    owner = getattr(engine.runner, "grammar_masks", engine.runner)
+    name = "fill" if owner is not engine.runner else "token_masks"
+    fill = getattr(owner, name)
+
+    def add(name, rows, seconds):
+        t = totals[name]
+        t[0], t[1], t[2] = t[0] + 1, t[1] + rows, t[2] + seconds
+
+    def timed_masks(arg):                  # token_masks(seqs) -> (rows, bitmask), or fill(matchers)
+        start, out = time.perf_counter(), fill(arg)
+        if out is not None:
+            add("mask", len(out[0]) if name == "token_masks" else len(arg),
+                time.perf_counter() - start)
+        return out
+
+    def timed_commit(step):
+        getattr(engine.runner, "finish_sample", lambda step: None)(step)   # sampled, if not yet
+        if step.copied is not None:
+            step.copied.synchronize()          # the wait for the device is not the host's work
+        start, out = time.perf_counter(), commit(step)
+        rows = sum(s.matcher is not None for s in step.seqs)
+        if rows:
+            add("commit", rows, time.perf_counter() - start)
+        return out
+    setattr(owner, name, timed_masks)
+    engine._commit = timed_commit
+    return totals
 
 
 def structured(args, model_dir, hw):
     """Throughput with 0%, 10% and 100% of the requests constrained to a JSON schema, and
-    with 10% under tool_choice "auto"'s grammar."""
+    with 10% and 100% under tool_choice "auto"'s grammar."""
     from nanoserve import SamplingParams, tool_call_grammar
-    model_dir = with_tokenizer(model_dir, args.tokenizer) if args.tokenizer else model_dir
     llm = make_llm(args, model_dir)
     grammar = llm.front.grammar(json.dumps(LIST_SCHEMA))
     tool = {"type": "function", "function": {"name": "list", "parameters": LIST_SCHEMA}}
     auto = llm.front.grammar(tool_call_grammar("hermes", [tool], "auto", True), True)
-    runner, masks = llm.engine.runner, [0, 0, 0.0]   # steps with a mask, rows, seconds
-    fill = runner.token_masks
-
-    def timed_masks(seqs):
-        start, out = time.perf_counter(), fill(seqs)
-        if out is not None:
-            masks[0], masks[1], masks[2] = masks[0] + 1, masks[1] + len(out[0]), \
-                masks[2] + time.perf_counter() - start
-        return out
-    runner.token_masks = timed_masks
+    totals = host_timers(llm)
     rng = random.Random(0)
     vocab = min(llm.engine.cfg.vocab_size, llm.front.tokenizer.get_vocab_size())
     prompts = random_prompts(rng, vocab, [rng.randint(args.min_input, args.max_input)
                                           for _ in range(args.num_seqs)])
+    settings = [("JSON schema", s, grammar) for s in args.shares if s] + \
+        [("tool_choice auto", s, auto) for s in args.auto_shares if s]
     base = None
-    for kind, share, g in [("constrained", s, grammar) for s in args.shares] + \
-            [("in tool_choice auto", s, auto) for s in args.auto_shares]:
+    for kind, share, g in [("none", 0.0, None)] + settings:
         num = round(share * len(prompts))
-        params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-                                 grammar=g if i % len(prompts) < num else None)
-                  for i in range(len(prompts))]
+        params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=i >= num,
+                                 grammar=g if i < num else None) for i in range(len(prompts))]
         llm.generate(prompts, [dataclasses.replace(p, max_tokens=4) for p in params])  # warm-up
-        masks[:] = [0, 0, 0.0]
+        for t in totals.values():
+            t[:] = [0, 0, 0.0]
         seconds, outs = timed(lambda: llm.generate(prompts, params), args.device)
         tokens = sum(len(o.token_ids) for o in outs)
         base = base or tokens / seconds
-        report("nanoserve", f"{share:.0%} of {len(prompts)} {kind}", output_tok_s=tokens / seconds,
+        (mask_steps, mask_rows, mask_s), (commit_steps, commit_rows, commit_s) = \
+            totals["mask"], totals["commit"]
+        report("nanoserve", f"{share:.0%} of {len(prompts)}, {kind}", output_tok_s=tokens / seconds,
                vs_none=tokens / seconds / base, mean_output_len=tokens / len(prompts),
-               mask_ms_per_step=1e3 * masks[2] / max(1, masks[0]),
-               mask_us_per_row=1e6 * masks[2] / max(1, masks[1]))
+               mask_ms_per_step=1e3 * mask_s / max(1, mask_steps),
+               mask_us_per_row=1e6 * mask_s / max(1, mask_rows),
+               commit_ms_per_step=1e3 * commit_s / max(1, commit_steps),
+               commit_us_per_row=1e6 * commit_s / max(1, commit_rows))
 
 
 # ---------------------------------------------------------------------------
@@ -1355,10 +1386,10 @@ SIZE_FLAGS = {
         ("output_len", int, 256, 16, "most output tokens (a grammar may end a request sooner)"),
         ("shares", lambda s: [float(x) for x in s.split(",")], [0.0, 0.1, 1.0], [0.0, 0.1, 1.0],
          "shares of the requests constrained, comma-separated"),
-        ("auto_shares", lambda s: [float(x) for x in s.split(",")], [0.1], [0.1],
+        ("auto_shares", lambda s: [float(x) for x in s.split(",")], [0.1, 1.0], [0.1, 1.0],
          "shares of the requests in tool_choice auto, comma-separated"),
-        ("tokenizer", str, None, None, "folder whose tokenizer a random model takes (the grammar "
-                                       "needs real tokens)")],
+        ("tokenizer", str, None, None, "folder whose tokenizer and vocabulary a random model takes "
+                                       "(the grammar needs real tokens)")],
 }
 
 
@@ -1410,7 +1441,8 @@ def main(args):
     model_dir = None
     if args.mode != "kernel":
         name = args.random or ("llama-3.2-1b" if args.device.startswith("cuda") else "tiny")
-        model_dir = Path(args.model) if args.model else build_random_model(name, args.out_dir, args.device)
+        model_dir = Path(args.model) if args.model else build_random_model(
+            name, args.out_dir, args.device, getattr(args, "tokenizer", None))
         log(f"model: {model_dir}")
     MODES[args.mode](args, model_dir, hw)
     if args.json:

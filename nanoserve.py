@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, functools, hmac, json, math
 import multiprocessing, os, queue, re, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import jinja2.sandbox                    # also binds jinja2
-import llguidance.numpy                  # also binds llguidance
+import llguidance
 import numpy as np
 import prometheus_client
 import torch
@@ -460,7 +460,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         and batch.allowed is None
     raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
     logits = raw if batch.logit_edits is None else apply_logit_edits(raw, batch.logit_edits)
-    logits = logits if batch.allowed is None else pa.apply_token_mask(logits, *batch.allowed)
+    if batch.allowed is not None:         # in place: on a copy if raw's log-probs are to come
+        keep_raw = logits is raw and batch.max_logprobs is not None
+        logits = pa.apply_token_mask(logits.clone() if keep_raw else logits, *batch.allowed)
     tokens = pa.argmax_rows(logits)                        # (B,), the greedy choice
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
@@ -574,7 +576,8 @@ class Sequence:
     pending token is its last; ModelRunner._flatten leaves a placeholder in its input row, which
     _put_input_ids fills on the device from the step before's samples; EngineCore._launch adds 1,
     _commit takes the 1 off and appends the token (or drops it if the sequence ended meanwhile). A
-    prefill chunk that is not the prompt's last samples nothing: no pending token."""
+    prefill chunk that is not the prompt's last samples nothing: no pending token. (A step with
+    grammar rows samples later, once their masks are filled: ModelRunner.sample.)"""
 
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
@@ -780,11 +783,13 @@ class LaunchedStep:
     """A step queued on the device, and its whole life: ModelRunner.launch queues its forward pass
     and logits; EngineCore holds it as `launched` while the next step is scheduled and launched;
     ModelRunner.sample (after the step before is read back) samples its rows and starts copying
-    them to the host; the next EngineCore.step's _commit waits for that copy, then drops it."""
+    them to the host, or with grammar rows starts their masks, and finish_sample samples once
+    they are filled (the next prepare at the latest); the next _commit waits for the copy."""
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
+    masks: Optional[Future] = None    # token_masks', while they fill (ModelRunner.sample)
     host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, as host copies
     copied: Optional[torch.cuda.Event] = None   # set once `host` is filled (None on CPU)
 
@@ -805,7 +810,9 @@ class ModelRunner:
             context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
-        self.llg_executor = llguidance.LLExecutor()   # fills grammar masks (token_masks)
+        self.grammar_masks = pa.GrammarMasks(   # grammars' matchers and masks (token_masks)
+            str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
+            self.use_cuda)
         self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
         self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
         self.num_blocks = self.allocate_kv_cache()
@@ -951,6 +958,7 @@ class ModelRunner:
                        prev: Optional["LaunchedStep"]):
         """The input ids, pending tokens copied from prev's samples on the device."""
         ids = self.buffers["input_ids"]
+        self.finish_sample(prev)          # its masks filled while this step was prepared
         if pending and batch.is_decode and batch.seqs == prev.seqs:
             ids[:len(batch.seqs)].copy_(prev.tokens)   # a steady decode: same rows, no host ids
             return
@@ -961,7 +969,7 @@ class ModelRunner:
             ids.index_copy_(0, self.to_device(rows, torch.int64),
                             prev.tokens[self.to_device(src, torch.int64)])
 
-    def sampling_batch(self, seqs: list) -> SamplingBatch:
+    def sampling_batch(self, seqs: list, allowed: Optional[tuple] = None) -> SamplingBatch:
         params, V = [s.params for s in seqs], self.cfg.vocab_size
         all_greedy = all(p.temperature == 0 for p in params)
         def per_row(values, dtype):            # an all-greedy batch needs no per-row tensors
@@ -974,17 +982,15 @@ class ModelRunner:
             all_greedy=all_greedy,
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            logit_edits=self.logit_edits(seqs), allowed=self.token_masks(seqs))
+            logit_edits=self.logit_edits(seqs), allowed=allowed)
 
     def token_masks(self, seqs: list) -> Optional[tuple]:
-        """pa.apply_token_mask's rows, and bitmasks of what may follow from their matchers."""
+        """A Future of pa.apply_token_mask's rows and bitmasks (what their matchers allow next)."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return None                    # the common case: one check per row
-        bitmask = np.empty((len(rows), -(-self.cfg.vocab_size // 32)), dtype=np.int32)
-        matchers = [(seqs[row].matcher.result(), i) for i, row in enumerate(rows)]
-        llguidance.numpy.fill_next_token_bitmask_par(self.llg_executor, matchers, bitmask)
-        return self.to_device(rows, torch.int64), self.to_device(bitmask, torch.int32)
+        matchers = [seqs[row].matcher.result() for row in rows]
+        return self.grammar_masks.fill_async(matchers, rows, self.device)
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
         """apply_logit_edits' entries: for each row with a bias or a penalty, one per distinct token
@@ -1031,13 +1037,19 @@ class ModelRunner:
             hidden = hidden.index_select(0, self.to_device(inputs.sample_rows, torch.int64))
         return LaunchedStep(batch, seqs, self.model.compute_logits(hidden))  # (B, V) logits
 
-    @torch.no_grad()
     def sample(self, step: LaunchedStep):
         """Sample a launched step's rows and start copying tokens back, once the step before is
-        read back and while this one's forward pass runs: penalties and grammars see every token."""
-        if not step.seqs:
-            return
-        step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs))
+        read back and while this one's forward pass runs: penalties and grammars see every token.
+        Grammar rows wait for their masks (finish_sample): they fill as the next step is built."""
+        step.masks = self.token_masks(step.seqs)
+        if step.masks is None:
+            self.finish_sample(step)
+
+    def finish_sample(self, step: Optional[LaunchedStep]):     # no grad: the logits have none
+        if step is None or step.tokens is not None or not step.seqs:
+            return                         # sampled already, or nothing to sample
+        allowed = step.masks.result() if step.masks else None   # waits for the masks
+        step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs, allowed))
         step.host = [step.tokens, *(logprobs or ())]      # (B,) each
         if self.use_cuda:
             step.host = [t.to("cpu", non_blocking=True) for t in step.host]  # into pinned memory
@@ -1137,11 +1149,8 @@ class EngineCore:
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
         self.num_generated_tokens = 0                      # for /metrics
         # Matchers are built on a thread of their own, never on the step loop:
-        # once per distinct grammar (the 64 most recently used kept); each request a copy.
+        # once per distinct grammar, each request a copy (pa.GrammarMasks.new_matcher).
         self.compiler = ThreadPoolExecutor(max_workers=1)
-        self.built_matchers = functools.lru_cache(maxsize=64)(
-            lambda grammar: llguidance.LLMatcher(self.llg_tokenizer, grammar))
-        self.llg_tokenizer = None          # llguidance's view of the vocabulary, built once
 
     def add_request(self, request: EngineCoreRequest):
         """Queue a checked request (FrontEnd.validate); it joins the batch next step."""
@@ -1149,16 +1158,10 @@ class EngineCore:
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
         if request.params.grammar is not None:   # ready long before its first sample, mostly
-            seq.matcher = self.compiler.submit(self._new_matcher, request.params.grammar)
+            seq.matcher = self.compiler.submit(self.runner.grammar_masks.new_matcher,
+                                               request.params.grammar)
         self.seqs[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
-
-    def _new_matcher(self, grammar: str):
-        """On the compile thread: a copy of the grammar's matcher, built the first time."""
-        self.llg_tokenizer = self.llg_tokenizer or llguidance.LLTokenizer(
-            str(Path(self.cfg.model) / "tokenizer.json"), n_vocab=self.cfg.vocab_size,
-            eos_token=self.cfg.eos_token_ids)
-        return self.built_matchers(grammar).deep_copy()
 
     def abort_request(self, request_id: str):
         """Stop a request now; its blocks go back to the pool."""
@@ -1196,9 +1199,13 @@ class EngineCore:
 
     def _commit(self, step: LaunchedStep) -> list:
         """Read a step's tokens back (its one host-device sync) and hand each to its sequence."""
+        self.runner.finish_sample(step)         # unless the step after needed its tokens
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         host = [t.tolist() for t in step.host]   # tokens (B,), then log-probs: (B,), (B, k), (B, k)
+        tokens = host[0] if host else []
+        self.runner.grammar_masks.consume([(s.matcher.result(), t) for s, t in zip(step.seqs,
+            tokens) if s.matcher is not None and not s.is_finished])  # grammars follow the output
         outputs = []
         for i, seq in enumerate(step.seqs):
             seq.num_pending_tokens -= 1         # read: no longer pending (see Sequence)
@@ -1213,9 +1220,7 @@ class EngineCore:
         """One read-back token into its sequence, and the output that reports it, which ends the
         sequence if the token finishes it. logprobs: the token's, then the top ones' values and
         ids, when the step computed them."""
-        seq.token_ids.append(token)
-        if seq.matcher is not None:        # the grammar follows the output, token by token
-            seq.matcher.result().consume_token(token)
+        seq.token_ids.append(token)           # (its grammar followed it in _commit)
         keep = seq.params.max_tokens > 0     # 0: only the prompt's log-probs were wanted
         out = EngineCoreOutput(seq.request_id, token if keep else None,
                                num_cached_tokens=seq.num_cached_tokens)
@@ -1938,8 +1943,9 @@ COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=(object, _prompt), echo=bool, lo
     suffix=(str, _rule(lambda v, f: not v, "(insertion) is not supported")))
 CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, top_logprobs=int,
     max_completion_tokens=int, parallel_tool_calls=bool,
-    tools=[{"type": str, "function": ({"name": (str, _REQUIRED), "description": str,
-                                       "parameters": dict, "strict": bool}, _REQUIRED)}],
+    tools=[{"type": str, "function": ({"name": (str, _rule(lambda v, f: re.fullmatch(
+        r"[a-zA-Z0-9_-]{1,64}", v or ""), "must be 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's)")),
+        "description": str, "parameters": dict, "strict": bool}, _REQUIRED)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",

@@ -18,6 +18,9 @@ owns in order. This file holds the kernels that touch that pool:
                              engine calls: norm and linear chosen in the
                              first section with the sampler's argmax_rows and
                              apply_token_mask, ATTENTION in the last
+    GrammarMasks             grammar masks filled on the host's cores, off
+                             the step loop, for apply_token_mask to apply in
+                             place in one launch
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
@@ -51,6 +54,7 @@ Dimension letters, used in every shape comment:
     T           new (query) tokens of one sequence
 """
 
+import concurrent.futures
 import functools
 import os
 
@@ -168,6 +172,15 @@ def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
+def apply_token_mask_ref(logits, rows, bitmask):   # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
+    """-inf in place for tokens a row's grammar forbids next: bit j of int32 word i of bitmask
+    row r allows token 32 i + j of logit row rows[r]. Returns logits."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 def norm(x, weight, eps):                                   # (N_tok, D)
     """RMSNorm (rms_norm_ref): one Triton launch on the GPU, torch ops on the CPU."""
     return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
@@ -209,11 +222,12 @@ def argmax_rows(logits):                                      # (B, V)
 
 
 def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
-    """-inf for tokens a row's grammar forbids next: bit j of int32 word i allows token 32 i + j.
-    The bits are unpacked on the device, so a step copies V / 8 bytes per constrained row."""
-    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
-    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
-    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+    """-inf, in place, for tokens a row's grammar forbids next (apply_token_mask_ref): one
+    Triton launch on the GPU (the interpreter would be slow on the CPU: torch there).
+    The host copies V / 8 bytes per constrained row, the bits stay packed."""
+    if logits.is_cuda:
+        return apply_token_mask_triton(logits, rows, bitmask)
+    return apply_token_mask_ref(logits, rows, bitmask)
 
 
 def cuda_graph_sizes(max_num_seqs, max_num_batched_tokens):
@@ -1261,6 +1275,111 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
                                            enable_gqa=True)  # (1, n_heads, T, hd)
         out[cu[b]:cu[b + 1]] = o[0].transpose(0, 1)
     return out
+
+
+# ----------------------------------------------------------------------------
+# Grammar masks
+# A row under a grammar (structured output, tool calls) may only sample what its
+# llguidance matcher allows next. Each step the host fills one bitmask row per
+# constrained row (bit j of int32 word i allows token 32 i + j: V / 8 bytes),
+# on every core at once, and the device sets the forbidden logits to -inf in
+# place: one launch that reads the bits where they are, never unpacking them
+# into a (R, V) tensor nor copying whole logit rows. After the step is read
+# back, the matchers follow the sampled tokens, again all rows at once.
+
+
+class GrammarMasks:
+    """The host half: each request's matcher, its masks filled on every core but one (the step
+    loop keeps its own; 16 at most), the sampled tokens followed. Copies of one matcher had their
+    masks filled one at a time on a 16-core host (as long per row for 26 rows as for 256), so
+    requests are dealt round families, one per fill thread, that share nothing: request n's
+    matcher copies its grammar's matcher built on tokenizer n % num_threads (a tokenizer is
+    built on first use, ~0.2 s; a grammar once per family).
+    One pinned bitmask buffer, sized for a full step, is reused every step: the engine reads a
+    step back (a sync past its bitmask copy) before it fills the next one."""
+
+    def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
+        import llguidance.numpy                       # only where grammars are served
+        self.llg = llguidance
+        self.num_threads = min(16, max(1, (os.cpu_count() or 2) - 1))   # 16: 3 s of tokenizers
+        self.executor = llguidance.LLExecutor(self.num_threads)
+        self.tokenizer = functools.lru_cache(maxsize=None)(lambda family: llguidance.LLTokenizer(
+            tokenizer_path, n_vocab=vocab_size, eos_token=eos_token_ids))
+        self.built = functools.lru_cache(maxsize=64 * self.num_threads)(   # the 64 latest grammars
+            lambda grammar, family: llguidance.LLMatcher(self.tokenizer(family), grammar))
+        self.num_matchers = 0
+        self.bitmask = torch.empty(max_rows, triton.cdiv(vocab_size, 32), dtype=torch.int32,
+                                   pin_memory=pin)  # (max_rows, cdiv(V, 32))
+        self.thread = concurrent.futures.ThreadPoolExecutor(1)   # waits on the pool for fill_async
+
+    def new_matcher(self, grammar):
+        """A request's own matcher: on one thread only (the engine's compile thread)."""
+        family, self.num_matchers = self.num_matchers % self.num_threads, self.num_matchers + 1
+        return self.built(grammar, family).deep_copy()
+
+    def fill_async(self, matchers, rows, device):
+        """fill on a thread of its own, then both copies queued: a Future of (rows, bitmask) on
+        the device, apply_token_mask's arguments (the default stream: the sampler's, after)."""
+        def fill_and_copy():
+            bitmask = self.fill(matchers).to(device, non_blocking=True)
+            rows_host = torch.tensor(rows, dtype=torch.int64)
+            return rows_host.pin_memory().to(device, non_blocking=True) if bitmask.is_cuda \
+                else rows_host, bitmask
+        return self.thread.submit(fill_and_copy)
+
+    def fill(self, matchers):
+        """The bitmasks of what each matcher allows next, (R, cdiv(V, 32)) int32 rows of the
+        pinned buffer; llguidance drops the GIL and splits the rows over its threads."""
+        bitmask = self.bitmask[:len(matchers)]
+        self.llg.numpy.fill_next_token_bitmask_par(
+            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
+        return bitmask
+
+    def consume(self, pairs):
+        """Each (matcher, sampled token) pair's matcher takes its token, in parallel (a rejected
+        one leaves its matcher in the error state, as consume_token does)."""
+        if pairs:
+            self.executor.consume_token_par(pairs)
+
+
+@triton.jit
+def _apply_token_mask_kernel(
+    logits_ptr,       # (B, V) fp32, masked in place
+    rows_ptr,         # (R,) int64: the logit row of each bitmask row
+    bitmask_ptr,      # (R, W) int32, W = cdiv(V, 32)
+    stride_logits,    # logits.stride(0)
+    stride_bitmask,   # bitmask.stride(0)
+    V,                # vocabulary size
+    BLOCK_WORDS: tl.constexpr,   # bitmask words per program: 32 * BLOCK_WORDS tokens
+):
+    """Program (r, j) masks tokens [32 BLOCK_WORDS j, 32 BLOCK_WORDS (j + 1)) of row r:
+    it loads BLOCK_WORDS words, expands each into its 32 bits in registers, and stores
+    -inf only where a bit is 0, so an allowed logit is neither read nor written."""
+    r, j = tl.program_id(0), tl.program_id(1)
+    row = tl.load(rows_ptr + r)
+    offs_w = j * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)                  # (BLOCK_WORDS,)
+    words = tl.load(bitmask_ptr + r * stride_bitmask + offs_w, mask=offs_w * 32 < V, other=-1)
+    offs_bit = tl.arange(0, 32)                                          # (32,)
+    bits = (words[:, None] >> offs_bit[None, :]) & 1                     # (BLOCK_WORDS, 32)
+    offs_tok = offs_w[:, None] * 32 + offs_bit[None, :]                  # (BLOCK_WORDS, 32)
+    forbidden = (bits == 0) & (offs_tok < V)
+    tl.store(logits_ptr + row * stride_logits + offs_tok,
+             tl.full((BLOCK_WORDS, 32), float("-inf"), tl.float32), mask=forbidden)
+
+
+def apply_token_mask_triton(logits, rows, bitmask, BLOCK_WORDS=32):
+    """apply_token_mask_ref in one launch (_apply_token_mask_kernel): R x V / 8 bytes
+    read, and a write of 4 bytes per forbidden token only."""
+    B, V = logits.shape
+    R, W = bitmask.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1, "fp32 rows, contiguous"
+    assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and W == triton.cdiv(V, 32)
+    assert rows.shape == (R,) and rows.dtype == torch.int64
+    if R:
+        grid = (R, triton.cdiv(W, BLOCK_WORDS))
+        _apply_token_mask_kernel[grid](logits, rows, bitmask, logits.stride(0),
+                                       bitmask.stride(0), V, BLOCK_WORDS=BLOCK_WORDS)
+    return logits
 
 
 # ----------------------------------------------------------------------------

@@ -1035,6 +1035,37 @@ def test_rms_norm_and_silu_and_mul(device, dtype, N_tok, D):
 
 
 # ----------------------------------------------------------------------------
+# Grammar masks: the in-place Triton mask against its torch reference, and the
+# reference against the mask spelled out token by token.
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(NO_CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("B,V,rows", [(5, 1000, [3, 0]), (4, 49152, [0, 1, 2, 3]), (3, 97, [])])
+def test_apply_token_mask_kernel(device, B, V, rows):
+    """Random bits, a V that 32 does not divide (a last word's bits past V left set), rows out of
+    order, unconstrained rows (exactly unchanged) and no constrained row at all."""
+    gen = torch.Generator().manual_seed(V)
+    logits = torch.randn(B, V, generator=gen)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (len(rows), -(-V // 32)), generator=gen,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[:, -1] |= -1 << (V % 32) if V % 32 else 0       # bits past V: allowed, never stored
+    allowed = torch.ones(B, V, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        allowed[row] = torch.tensor([bool(int(bitmask[r, t // 32]) >> (t % 32) & 1)
+                                     for t in range(V)])
+    expected = logits.masked_fill(~allowed, float("-inf"))
+    ref = pa.apply_token_mask_ref(logits.clone(), torch.tensor(rows, dtype=torch.int64), bitmask)
+    assert torch.equal(ref, expected)
+    dev = logits.to(device)
+    out = pa.apply_token_mask_triton(dev, torch.tensor(rows, dtype=torch.int64, device=device),
+                                     bitmask.to(device))
+    assert out is dev, "in place"
+    print(f"{len(rows)} of {B} rows, V={V}: {int((~allowed).sum())} tokens masked")
+    assert torch.equal(out.cpu(), expected)
+
+
+# ----------------------------------------------------------------------------
 # The CPU path (torch SDPA over K/V gathered from the pool) against the same
 # references and NaN-poisoned pools; plain torch, so no interpreter needed.
 
@@ -2005,6 +2036,8 @@ BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
       "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]},   # auto
      "tools[0].function.name"),
+    *[({"tools": [WEATHER, {"type": "function", "function": {"name": name}}]},
+       "tools[1].function.name") for name in ("", "x</tool_call>", "f" * 300)],   # OpenAI's rule
     ({"messages": [{"role": "tool", "content": "21 degrees"}]}, "messages"),   # no tool_call_id
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": "f"}]}]},
      "messages"),
@@ -2013,6 +2046,20 @@ BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"stream_options": {"unknown": True}}, "stream_options.unknown"),
 ]
+
+
+def test_tool_names_follow_openai():
+    """A tool's name is 1-64 of a-z, A-Z, 0-9, _ and -, as OpenAI checks it: anything else (an
+    empty name, the call's own markup, 300 letters, a newline after a good name) is a 400."""
+    spec = {"tools": ns.CHAT_FIELDS["tools"]}
+    for name in ("a", "get_weather-2", "Z" * 64):
+        tools = [{"type": "function", "function": {"name": name}}]
+        assert ns.parse_fields({"tools": tools}, spec)["tools"] == tools
+    for name in ("", "x</tool_call>", "f" * 300, "f" * 65, "get weather", "f\n", "é"):
+        with pytest.raises(ns.APIError) as e:
+            ns.parse_fields({"tools": [{"type": "function", "function": {"name": name}}]}, spec)
+        assert e.value.status == 400, name
+        assert e.value.body["error"]["param"] == "tools[0].function.name", name
 
 
 def test_structured_output_bad_input_is_a_400(server):
@@ -2027,6 +2074,43 @@ def test_structured_output_bad_input_is_a_400(server):
     assert assert_error(r, 400)["param"] == "response_format"
     assert wait_idle(server)["nanoserve_generated_tokens_total"] == \
         idle["nanoserve_generated_tokens_total"]
+
+
+def test_grammar_masks_match_one_matcher_at_a_time():
+    """pa.GrammarMasks fills on its thread pool exactly the bitmasks each matcher computes alone,
+    into rows of its reused buffer, and its parallel consume moves each matcher as consume_token
+    does (a rejected token: the error state). Matchers at different points of one JSON schema;
+    then the matchers it builds for requests, each a fresh one."""
+    import numpy as np
+    V = ns.Config(ensure_smol(), device="cpu").vocab_size     # the engine's vocabulary
+    tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"), n_vocab=V)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(PERSON))
+    texts = ['', '{"name": "Al', '{"name": "Al", "age": 4', '{"name": "Al", "age": 40, "color": "']
+    def matchers():
+        out = [llguidance.LLMatcher(tokenizer, grammar) for _ in texts]
+        for m, text in zip(out, texts):
+            assert m.consume_tokens(tokenizer.tokenize_str(text)) if text else True
+        return out
+    masks = pa.GrammarMasks(os.path.join(SMOL_DIR, "tokenizer.json"), [2], len(texts) + 2, V,
+                            pin=False)
+    for _ in range(2):                                  # the buffer reused: no stale bits
+        rows, bitmask = masks.fill_async(matchers(), [3, 0, 2, 1], "cpu").result()
+        assert rows.tolist() == [3, 0, 2, 1] and bitmask.shape == (len(texts), -(-V // 32))
+        for m, got in zip(matchers(), bitmask):
+            alone = np.frombuffer(m.compute_bitmask(), np.int32)[:len(got)]   # (+1 word there)
+            assert np.array_equal(got.numpy(), alone) and alone.any()
+    ids = [tokenizer.tokenize_str(t)[0] for t in ['{"', 'bert', '"', 'xyz']]
+    together, alone = matchers(), matchers()
+    masks.consume(list(zip(together, ids)))
+    for a, b, t in zip(together, alone, ids):
+        assert b.consume_token(t) == (not a.is_error()), t
+        assert a.compute_bitmask() == b.compute_bitmask()
+    assert [m.is_error() for m in together] == [False, False, True, True]
+    # each request's own matcher, from the families in turn: fresh, and none shares a state
+    own = [masks.new_matcher(grammar) for _ in range(masks.num_threads + 1)]
+    assert own[0].consume_tokens(tokenizer.tokenize_str(texts[2]))
+    for m in own[1:]:
+        assert m.compute_bitmask() == llguidance.LLMatcher(tokenizer, grammar).compute_bitmask()
 
 
 def test_constrained_rows_in_the_engine(smol_llm):
