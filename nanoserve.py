@@ -385,9 +385,10 @@ def build_model(cfg: Config) -> Model:
 # ---------------------------------------------------------------------------
 # Sampler
 # One pass over the whole batch's logits, in this order: logit_bias and the penalties, the grammar
-# masks, then greedy or temperature, top-k and top-p sampling, and the log-probs if asked. Each row
-# carries its own settings, so one request's choices never change another's; a seeded row draws its
-# noise from its own generator. No step waits for the host (no sync).
+# masks, then greedy or temperature, top-k and top-p sampling (each step's contract is a torch
+# function in paged_attention.py's first section), and the log-probs if asked. Each row carries
+# its own settings, so one request's choices never change another's; a seeded row draws its noise
+# from its own generator. No step waits for the host (no sync).
 
 @dataclass
 class SamplingParams:
@@ -424,42 +425,15 @@ class SamplingBatch:
     all_greedy: bool
     needs_top_k_top_p: bool
     max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
-    logit_edits: Optional[tuple] = None  # see apply_logit_edits; None: no row has any
+    logit_edits: Optional[tuple] = None  # see pa.apply_logit_edits; None: no row has any
     allowed: Optional[tuple] = None   # see pa.apply_token_mask; None: no grammar
-
-def apply_logit_edits(logits, edits):                        # (B, V) fp32
-    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token).
-    edits = ((rows, ids), (bias, repetition, penalty)), from ModelRunner.logit_edits: entry i
-    edits logits[rows[i], ids[i]] in the three steps below, each with its values at i."""
-    (rows, ids), (bias, repetition, penalty) = edits   # (2, N) int64, (3, N) fp32
-    x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
-    x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
-    x = x - penalty                            # then OpenAI's presence and frequency penalties
-    return logits.index_put((rows, ids), x)
-
-def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
-    """Set every logit outside a row's top-k and top-p set to -inf. An example row, V = 4, top_k =
-    3, top_p = 0.6, probabilities in ascending order [.1, .2, .3, .4]: top-k drops position 0
-    (< V - k); the three left renormalize to [.22, .33, .44], whose ascending cumulative mass is
-    [.22, .56, 1]; top-p drops each whose mass is <= 1 - p = .4, so .2 goes and [.3, .4] stay."""
-    sorted_logits, order = logits.sort(dim=-1)                 # ascending, (B, V)
-    V = logits.shape[-1]                                   # vocabulary size
-    # top-k by position in the sorted row, so exactly k survive even with ties
-    cut = torch.arange(V, device=logits.device) < (V - top_ks).unsqueeze(1)
-    sorted_logits.masked_fill_(cut, -float("inf"))
-    # top-p: drop a token if it and all smaller ones hold <= 1 - p of the mass; the largest stays
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)     # (B, V), ascending mass
-    cut = cum <= (1 - top_ps).unsqueeze(1)
-    cut[:, -1] = False
-    sorted_logits.masked_fill_(cut, -float("inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     """Return the sampled token ids (B,) and, if asked, their log-probs."""
     plain = batch.all_greedy and batch.max_logprobs is None and batch.logit_edits is None \
         and batch.allowed is None
     raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
-    logits = raw if batch.logit_edits is None else apply_logit_edits(raw, batch.logit_edits)
+    logits = raw if batch.logit_edits is None else pa.apply_logit_edits(raw, batch.logit_edits)
     if batch.allowed is not None:         # in place: on a copy if raw's log-probs are to come
         keep_raw = logits is raw and batch.max_logprobs is not None
         logits = pa.apply_token_mask(logits.clone() if keep_raw else logits, *batch.allowed)
@@ -468,7 +442,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
         scaled = logits / torch.where(t > 0, t, 1.0)     # greedy rows: any divisor; replaced below
         if batch.needs_top_k_top_p:
-            scaled = apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+            scaled = pa.apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
         probs = scaled.softmax(dim=-1)                     # (B, V)
         # Exponential race ("sample without a CUDA sync"): draw E_i ~ Exp(1) per token; token i
         # wins when E_i / p_i is the smallest, which happens with probability exactly p_i (the
@@ -826,7 +800,8 @@ class ModelRunner:
         kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, cfg.num_kv_heads,
                          cfg.head_dim, dtype=cfg.torch_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
-            layer.attn.k_cache, layer.attn.v_cache = kv[0, i], kv[1, i]  # (num_blocks, block_size, n_kv, hd)
+            # each (num_blocks, block_size, n_kv, hd)
+            layer.attn.k_cache, layer.attn.v_cache = kv[0, i], kv[1, i]
 
     def allocate_kv_cache(self) -> int:
         cfg = self.cfg
@@ -867,16 +842,6 @@ class ModelRunner:
         return peak
 
     # -- inputs --
-    def to_device(self, data, dtype) -> torch.Tensor:
-        t = torch.as_tensor(np.asarray(data), dtype=dtype)     # pinned: the copy does not wait
-        return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
-
-    def _put(self, buffer, values):
-        """Host values into the start of a buffer, queued behind the step before."""
-        host = torch.as_tensor(np.asarray(values), dtype=buffer.dtype)
-        view = buffer[tuple(slice(0, n) for n in host.shape)]
-        view.copy_(host.pin_memory() if self.use_cuda else host, non_blocking=True)
-
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
         """The step's inputs in the static buffers, in three parts: flatten the batch (_flatten),
         pad it to the size of the graph that replays it (_pad), fill in the pending tokens from
@@ -901,7 +866,7 @@ class ModelRunner:
         key = self._graph_key(batch.is_decode, num_tokens)
         N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
         for name, values in flat.items():
-            self._put(self.buffers[name], values)
+            pa.put(self.buffers[name], values)
         self._put_input_ids(batch, input_ids, pending, prev)
         b = self.buffers
         meta = AttentionMetadata(b["slot_mapping"][:N], b["block_tables"][:S, :width],
@@ -962,18 +927,18 @@ class ModelRunner:
         if pending and batch.is_decode and batch.seqs == prev.seqs:
             ids[:len(batch.seqs)].copy_(prev.tokens)   # a steady decode: same rows, no host ids
             return
-        self._put(ids, input_ids)
+        pa.put(ids, input_ids)
         if pending:
             prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
             rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
-            ids.index_copy_(0, self.to_device(rows, torch.int64),
-                            prev.tokens[self.to_device(src, torch.int64)])
+            ids.index_copy_(0, pa.to_device(self.device, rows, torch.int64),
+                            prev.tokens[pa.to_device(self.device, src, torch.int64)])
 
     def sampling_batch(self, seqs: list, allowed: Optional[tuple] = None) -> SamplingBatch:
         params, V = [s.params for s in seqs], self.cfg.vocab_size
         all_greedy = all(p.temperature == 0 for p in params)
         def per_row(values, dtype):            # an all-greedy batch needs no per-row tensors
-            return None if all_greedy else self.to_device(values, dtype)
+            return None if all_greedy else pa.to_device(self.device, values, dtype)
         return SamplingBatch(
             temperatures=per_row([p.temperature for p in params], torch.float32),
             top_ks=per_row([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
@@ -993,9 +958,9 @@ class ModelRunner:
         return self.grammar_masks.fill_async(matchers, rows, self.device)
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
-        """apply_logit_edits' entries: for each row with a bias or a penalty, one per distinct token
-        that has either, counted on the host (every token so far: see sample) with numpy: a Python
-        loop over a long prompt's tokens would cost milliseconds per step."""
+        """pa.apply_logit_edits' entries: for each row with a bias or a penalty, one per distinct
+        token that has either, counted on the host (every token so far: see sample) with numpy: a
+        Python loop over a long prompt's tokens would cost milliseconds per step."""
         entries = []                                           # (5, n) per edited row
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -1016,7 +981,8 @@ class ModelRunner:
             entries.append(np.stack([np.full(len(ids), row), ids, bias, repetition, penalty]))
         if entries:
             e = np.concatenate(entries, axis=1)   # (5, N): row, token, bias, repetition, penalty
-            return self.to_device(e[:2], torch.int64), self.to_device(e[2:], torch.float32)
+            rows_and_ids = pa.to_device(self.device, e[:2], torch.int64)        # (2, N)
+            return rows_and_ids, pa.to_device(self.device, e[2:], torch.float32)  # (3, N)
 
     # -- forward and sample --
     @torch.no_grad()
@@ -1034,7 +1000,8 @@ class ModelRunner:
         if not seqs:                            # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None)
         if len(seqs) < hidden.shape[0]:         # skip the rows of prefill tokens
-            hidden = hidden.index_select(0, self.to_device(inputs.sample_rows, torch.int64))
+            rows = pa.to_device(self.device, inputs.sample_rows, torch.int64)
+            hidden = hidden.index_select(0, rows)
         return LaunchedStep(batch, seqs, self.model.compute_logits(hidden))  # (B, V) logits
 
     def sample(self, step: LaunchedStep):
@@ -1067,7 +1034,7 @@ class ModelRunner:
             b = min(start + len(rows), seq.num_prompt_tokens - 1)  # row i predicts token i + 1
             if k is None or a >= b:
                 continue
-            targets = self.to_device(seq.token_ids[a + 1:b + 1], torch.int64)  # (T,)
+            targets = pa.to_device(self.device, seq.token_ids[a + 1:b + 1], torch.int64)  # (T,)
             for h, t in zip(rows[a - start:b - start].split(C), targets.split(C)):
                 logp = self.model.compute_logits(h).float().log_softmax(dim=-1)  # (C, V)
                 top, chosen = logp.topk(k, dim=-1), logp.gather(1, t[:, None])[:, 0]

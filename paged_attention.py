@@ -58,6 +58,7 @@ import concurrent.futures
 import functools
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -71,7 +72,9 @@ import triton.language as tl
 # of each step is chosen: nanoserve's layers call `norm` and `linear` (on the
 # GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch
 # references on the CPU), the sampler `argmax_rows` (a reduction split for a
-# lone row's sake) and `apply_token_mask`, the model runner `cuda_graph_sizes`
+# lone row's sake), `apply_token_mask`, `apply_logit_edits` (sparse edits, not
+# a dense bias tensor) and `apply_top_k_top_p` (a sort, then two cuts of the
+# sorted row), the model runner `to_device`, `put`, `cuda_graph_sizes`
 # and `set_cpu_threads` (the CPU path's section), and each Attention
 # layer one (rope_store, attend) pair of ATTENTION: rope_store rotates q in
 # place and writes the rotated k and v into the pool, attend reads the pool
@@ -228,6 +231,49 @@ def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, 
     if logits.is_cuda:
         return apply_token_mask_triton(logits, rows, bitmask)
     return apply_token_mask_ref(logits, rows, bitmask)
+
+
+def apply_logit_edits(logits, edits):                        # (B, V) fp32
+    """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token).
+    edits = ((rows, ids), (bias, repetition, penalty)), from nanoserve's ModelRunner.logit_edits:
+    entry i edits logits[rows[i], ids[i]] in the three steps below, each with its values at i."""
+    (rows, ids), (bias, repetition, penalty) = edits   # (2, N) int64, (3, N) fp32
+    x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
+    x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
+    x = x - penalty                            # then OpenAI's presence and frequency penalties
+    return logits.index_put((rows, ids), x)
+
+
+def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
+    """Set every logit outside a row's top-k and top-p set to -inf. An example row, V = 4, top_k =
+    3, top_p = 0.6, probabilities in ascending order [.1, .2, .3, .4]: top-k drops position 0
+    (< V - k); the three left renormalize to [.22, .33, .44], whose ascending cumulative mass is
+    [.22, .56, 1]; top-p drops each whose mass is <= 1 - p = .4, so .2 goes and [.3, .4] stay."""
+    sorted_logits, order = logits.sort(dim=-1)                 # ascending, (B, V)
+    V = logits.shape[-1]                                   # vocabulary size
+    # top-k by position in the sorted row, so exactly k survive even with ties
+    cut = torch.arange(V, device=logits.device) < (V - top_ks).unsqueeze(1)
+    sorted_logits.masked_fill_(cut, -float("inf"))
+    # top-p: drop a token if it and all smaller ones hold <= 1 - p of the mass; the largest stays
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)     # (B, V), ascending mass
+    cut = cum <= (1 - top_ps).unsqueeze(1)
+    cut[:, -1] = False
+    sorted_logits.masked_fill_(cut, -float("inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def to_device(device, data, dtype):
+    """Host data as a tensor on device, through pinned memory: the copy does not make the host
+    wait, and it is queued on the stream behind the work already there."""
+    t = torch.as_tensor(np.asarray(data), dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def put(buffer, values):
+    """Host values into the start of a device buffer (a CUDA graph's input), queued the same way."""
+    host = torch.as_tensor(np.asarray(values), dtype=buffer.dtype)
+    view = buffer[tuple(slice(0, n) for n in host.shape)]    # the buffer's corner of host's shape
+    view.copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=True)
 
 
 def cuda_graph_sizes(max_num_seqs, max_num_batched_tokens):

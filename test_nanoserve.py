@@ -437,7 +437,7 @@ def test_top_k_top_p_masks_are_exact():
     top_ks = torch.tensor([2, 5, 5])
     # probs of row 1 sorted: .644 .237 .087 .032 .012; p=0.85 keeps the top two
     top_ps = torch.tensor([1.0, 0.85, 0.5])
-    masked = ns.apply_top_k_top_p(logits, top_ks, top_ps)
+    masked = pa.apply_top_k_top_p(logits, top_ks, top_ps)
     kept = torch.isfinite(masked)
     assert kept.tolist() == [[False, True, True, False, False],
                              [False, True, True, False, False],
@@ -538,7 +538,7 @@ def test_logit_bias_and_penalties_match_their_formulas(smol_llm):
              "plain, sampled": ns.SamplingParams(temperature=0.8, seed=5)}
     seqs = history_seqs(V, list(specs.values()), gen)
     batch = runner.sampling_batch(seqs)
-    ours, ref = ns.apply_logit_edits(logits, batch.logit_edits), reference_edits(logits, seqs)
+    ours, ref = pa.apply_logit_edits(logits, batch.logit_edits), reference_edits(logits, seqs)
     for row, name in enumerate(specs):
         diff = (ours[row] - ref[row]).abs().max().item()
         changed = (ref[row] != logits[row]).sum().item()
