@@ -958,31 +958,12 @@ class ModelRunner:
         return self.grammar_masks.fill_async(matchers, rows, self.device)
 
     def logit_edits(self, seqs: list) -> Optional[tuple]:
-        """pa.apply_logit_edits' entries: for each row with a bias or a penalty, one per distinct
-        token that has either, counted on the host (every token so far: see sample) with numpy: a
-        Python loop over a long prompt's tokens would cost milliseconds per step."""
-        entries = []                                           # (5, n) per edited row
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            if not p.logit_bias and not p.needs_output_history:
-                continue                   # the common case: two checks per row
-            # the tokens the repetition penalty looks at (prompt too), or just the output
-            output = seq.token_ids[seq.num_prompt_tokens:]
-            seen = seq.token_ids if p.repetition_penalty != 1 else output
-            # ids: each distinct token of `seen` and of logit_bias; at[i]: where in
-            # ids the i-th of them is (the output is the tail of `seen`)
-            ids, at = np.unique([*seen, *p.logit_bias], return_inverse=True)
-            times_generated = np.bincount(at[len(seen) - seq.num_output_tokens:len(seen)],
-                                          minlength=len(ids))
-            bias = np.bincount(at[len(seen):], list(p.logit_bias.values()), len(ids))
-            repetition = np.where(np.isin(ids, seen), p.repetition_penalty, 1.0)
-            penalty = (times_generated * p.frequency_penalty
-                       + (times_generated > 0) * p.presence_penalty)
-            entries.append(np.stack([np.full(len(ids), row), ids, bias, repetition, penalty]))
-        if entries:
-            e = np.concatenate(entries, axis=1)   # (5, N): row, token, bias, repetition, penalty
-            rows_and_ids = pa.to_device(self.device, e[:2], torch.int64)        # (2, N)
-            return rows_and_ids, pa.to_device(self.device, e[2:], torch.float32)  # (3, N)
+        """pa.apply_logit_edits' entries (pa.logit_edit_entries) for the rows with a bias or a
+        penalty, from every token so far (see sample); None if no row has any."""
+        rows = [(row, seq.token_ids, seq.num_prompt_tokens, seq.params)
+                for row, seq in enumerate(seqs)
+                if seq.params.logit_bias or seq.params.needs_output_history]
+        return pa.logit_edit_entries(rows, self.device) if rows else None
 
     # -- forward and sample --
     @torch.no_grad()

@@ -72,7 +72,8 @@ import triton.language as tl
 # of each step is chosen: nanoserve's layers call `norm` and `linear` (on the
 # GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch
 # references on the CPU), the sampler `argmax_rows` (a reduction split for a
-# lone row's sake), `apply_token_mask`, `apply_logit_edits` (sparse edits, not
+# lone row's sake), `apply_token_mask`, `apply_logit_edits` with its host half
+# `logit_edit_entries` (sparse edits, not
 # a dense bias tensor) and `apply_top_k_top_p` (a sort, then two cuts of the
 # sorted row), the model runner `to_device`, `put`, `cuda_graph_sizes`
 # and `set_cpu_threads` (the CPU path's section), and each Attention
@@ -242,6 +243,28 @@ def apply_logit_edits(logits, edits):                        # (B, V) fp32
     x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
     x = x - penalty                            # then OpenAI's presence and frequency penalties
     return logits.index_put((rows, ids), x)
+
+
+def logit_edit_entries(rows, device):
+    """apply_logit_edits' entries, counted on the host with numpy (a Python loop over a long
+    prompt's tokens would cost milliseconds per step): for each (row, token_ids,
+    num_prompt_tokens, params), one entry per distinct token that has a bias or a penalty."""
+    entries = []                                               # (5, n) per edited row
+    for row, token_ids, num_prompt_tokens, p in rows:
+        # the tokens the repetition penalty looks at (prompt too), or just the output
+        output = token_ids[num_prompt_tokens:]
+        seen = token_ids if p.repetition_penalty != 1 else output
+        # ids: each distinct token of `seen` and of logit_bias; at[i]: where in
+        # ids the i-th of them is (the output is the tail of `seen`)
+        ids, at = np.unique([*seen, *p.logit_bias], return_inverse=True)
+        times_generated = np.bincount(at[len(seen) - len(output):len(seen)], minlength=len(ids))
+        bias = np.bincount(at[len(seen):], list(p.logit_bias.values()), len(ids))
+        repetition = np.where(np.isin(ids, seen), p.repetition_penalty, 1.0)
+        penalty = (times_generated * p.frequency_penalty
+                   + (times_generated > 0) * p.presence_penalty)
+        entries.append(np.stack([np.full(len(ids), row), ids, bias, repetition, penalty]))
+    e = np.concatenate(entries, axis=1)   # (5, N): row, token, bias, repetition, penalty
+    return to_device(device, e[:2], torch.int64), to_device(device, e[2:], torch.float32)
 
 
 def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,)
