@@ -71,16 +71,16 @@ import triton.language as tl
 # implementation to these. Then the one place where the engine's implementation
 # of each step is chosen: nanoserve's layers call `norm` and `linear` (on the
 # GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch
-# references on the CPU), the sampler `argmax_rows` (a reduction split for a
+# references on the CPU); the sampler `argmax_rows` (a reduction split for a
 # lone row's sake), `apply_token_mask`, `apply_logit_edits` with its host half
-# `logit_edit_entries` (sparse edits, not
-# a dense bias tensor) and `apply_top_k_top_p` (a sort, then two cuts of the
-# sorted row), the model runner `to_device`, `put`, `cuda_graph_sizes`
-# and `set_cpu_threads` (the CPU path's section), and each Attention
-# layer one (rope_store, attend) pair of ATTENTION: rope_store rotates q in
-# place and writes the rotated k and v into the pool, attend reads the pool
-# through the step's AttentionMetadata (as decode when every sequence brings one
-# token). ATTENTION closes this file, since it names the kernels in between.
+# `logit_edit_entries` (sparse edits, not a dense bias tensor) and
+# `apply_top_k_top_p` (a sort, then two cuts of the sorted row); the model
+# runner `to_device`, `put`, `cuda_graph_sizes` and `set_cpu_threads` (in the
+# CPU path's section); and each Attention layer one (rope_store, attend) pair
+# of ATTENTION: rope_store rotates q in place and writes the rotated k and v
+# into the pool, attend reads the pool through the step's AttentionMetadata (as
+# decode when every sequence brings one token). ATTENTION closes this file,
+# since it names the kernels in between.
 
 
 def _gather_kv_ref(cache, block_table, L):
