@@ -18,12 +18,10 @@ Run it:
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
-Read it top to bottom: config -> loader -> layers -> model -> sampler -> block allocator ->
-scheduler -> model runner -> engine core -> front end -> engine core process -> server -> CLI. A
-request enters at the HTTP handler (or LLM.generate), is tokenized by the FrontEnd, and crosses a
-pipe to the engine core process as an EngineCoreRequest. There it becomes a Sequence, is scheduled
-step by step into a flat batch, runs through Model.forward (attention on the paged cache) and is
-sampled; each step's token ids cross back as EngineCoreOutputs, for the FrontEnd to turn into text.
+Read it top to bottom, config to CLI; README.md's reading path times each stop. A request enters
+at the HTTP handler (or LLM.generate), is tokenized by the FrontEnd, and crosses a pipe to the
+engine core process. There it becomes a Sequence, is scheduled step by step into a flat batch, runs
+through Model.forward and is sampled; its token ids cross back for the FrontEnd to turn into text.
 """
 
 from __future__ import annotations
@@ -66,9 +64,8 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-
 # Config
 # One dataclass holds every setting: the engine's from the caller (each a CLI flag), the
 # architecture's from config.json (__post_init__), so a Config is always complete and checked.
-# Words the help strings use, each told whole in its section: the KV pool (the memory holding every
-# sequence's keys and values, cut into blocks), a step (one forward pass over the batch) and its
-# token budget, seats (sequences in one step), CUDA graphs (a forward pass recorded, then replayed).
+# The help strings' words, each told whole in its section: KV pool (every sequence's keys and
+# values, in blocks), step (one forward pass) and its token budget, seats, CUDA graphs (replays).
 
 def _flag(default, help: str, flag: Optional[str] = None):
     """A Config or SamplingParams field that is also a CLI flag: the CLI section makes
@@ -85,16 +82,14 @@ class Config:
                                    "(auto: triton on cuda, sdpa on cpu)")
     block_size: int = _flag(16, "tokens per KV-cache block (a power of two)")
     num_blocks: int = _flag(0, "KV blocks in the pool (0: sized from memory)")
-    gpu_memory_utilization: float = _flag(0.90, "fraction of GPU memory for the weights, "
-                                                "activations and KV pool")
+    gpu_memory_utilization: float = _flag(0.90, "GPU memory for weights, activations, KV pool")
     cpu_kv_cache_gb: float = _flag(1.0, "KV pool size in GB on cpu")
-    max_num_seqs: int = _flag(1024, "seats: most sequences in one step")
+    max_num_seqs: int = _flag(1024, "seats: most sequences running at once")
     max_num_batched_tokens: int = _flag(8192, "token budget of one step (prefill chunks + decodes)")
     max_model_len: int = _flag(0, "longest prompt + completion (0: the model's limit)")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompts seen before",
                                         "--no-prefix-caching")
-    enforce_eager: bool = _flag(False, "run every step eagerly: no CUDA graphs (which are only "
-                                       "captured on cuda with the triton attention)")
+    enforce_eager: bool = _flag(False, "no CUDA graphs (else on for triton attention on cuda)")
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
@@ -110,7 +105,7 @@ class Config:
     intermediate_size: int = field(init=False, default=0)      # I
     num_layers: int = field(init=False, default=0)
     num_heads: int = field(init=False, default=0)              # n_heads
-    num_kv_heads: int = field(init=False, default=0)  # n_kv, < n_heads: grouped-query attention
+    num_kv_heads: int = field(init=False, default=0)  # n_kv, <= n_heads: grouped-query attention
     head_dim: int = field(init=False, default=0)               # hd
     rms_norm_eps: float = field(init=False, default=1e-5)
     rope_theta: float = field(init=False, default=10000.0)
@@ -232,12 +227,10 @@ def load_weights(model: nn.Module, cfg: Config):
 # Layers
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
-# live only in AttentionMetadata. Each kernel (pa.*) is called by what it computes; its contract is
-# a torch reference in paged_attention.py's first section (pa.norm: rms_norm_ref, pa.linear:
-# gemv_ref, attention: the *_ref ones), which also picks the implementation. Attention and MLP
-# take their block's norm and residual as arguments because pa.linear applies a norm to a matmul's
-# input and adds a residual to its output: at batch 1 on the GPU, inside the one kernel that reads
-# the weight.
+# live only in AttentionMetadata. Each pa.* call is read by its contract, a torch reference in
+# paged_attention.py's first section (pa.norm: rms_norm_ref, pa.linear: gemv_ref). Attention and
+# MLP take their block's norm and residual because pa.linear applies a norm to a matmul's input and
+# adds a residual to its output: at batch 1 on the GPU, in the one kernel that reads the weight.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -399,7 +392,7 @@ class SamplingParams:
     stop: Optional[list] = _flag(None, "a string that ends the text, not included (repeatable)")
     stop_token_ids: Optional[list] = None  # token ids that end the sequence
     ignore_eos: bool = _flag(False, "keep generating past the end-of-sequence token")
-    seed: Optional[int] = _flag(None, "same seed, same text, whatever else is in the batch")
+    seed: Optional[int] = _flag(None, "same seed, same random draws, whatever else is in the batch")
     logprobs: Optional[int] = None    # also return this many top log-probs per token
     prompt_logprobs: Optional[int] = None  # log-prob of each prompt token, + this many top
     logit_bias: dict = field(default_factory=dict)  # token id -> bias in [-100, 100]
@@ -523,18 +516,18 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 # rule: running sequences first, since a skipped decode stalls its stream for a whole step to save
 # one token of the budget (an unfinished prefill takes a chunk of it); then waiting ones in order
 # (arrival, a preempted one first) while budget, seats (max_num_seqs) and blocks last. At a burst
-# (waiting prompts fill whole steps), decodes ride along only every DECODES_EVERY-th step: in a full
-# prompt step a decode costs about what it costs in a step of its own (its K/V is read either way),
-# so first tokens come sooner while streams still move (README, Speed, has the figures). When the
-# pool runs dry, the latest admitted sequence is preempted: its blocks are freed, it is recomputed.
+# (waiting prompts fill whole steps), decodes ride along only every DECODES_EVERY-th step: a decode
+# costs about as much in a full prompt step as alone (its K/V is read either way), so its cost is
+# paid in one step of those, prompts get the rest sooner, and streams still move (README, Speed).
+# When the pool runs dry, the latest admitted sequence is preempted: freed, recomputed later.
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
 
-    The pending token (async scheduling). The engine core launches step N+1 before it reads step
-    N's tokens back, so the host's work hides behind the device's (EngineCore.step). A sequence's
-    input in step N+1 is then the token it sampled in step N, still only in device memory: its
-    pending token. One decoding sequence through one EngineCore.step, L = len(token_ids) before it:
+    The pending token (async scheduling). EngineCore.step launches step N+1 before it reads step
+    N's tokens back, so the host's work hides behind the device's; a sequence's input in step N+1
+    is then the token it sampled in step N, still only in device memory: its pending token. One
+    decoding sequence through one EngineCore.step, L = len(token_ids) before it:
 
         moment in EngineCore.step                      len(token_ids)  pending  computed
         before: step N launched and sampled                  L            1         L
@@ -545,13 +538,12 @@ class Sequence:
 
     The invariant, once the prompt is computed: num_computed_tokens == len(token_ids) +
     num_pending_tokens - 1 (every token but the newest is launched); num_pending_tokens is 0 or 1
-    except between a launch and the commit of the step before. Who does what with it:
-    Scheduler.schedule counts it as a token to compute, and _ends_when_read skips a sequence whose
-    pending token is its last; ModelRunner._flatten leaves a placeholder in its input row, which
-    _put_input_ids fills on the device from the step before's samples; EngineCore._launch adds 1,
-    _commit takes the 1 off and appends the token (or drops it if the sequence ended meanwhile). A
-    prefill chunk that is not the prompt's last samples nothing: no pending token. (A step with
-    grammar rows samples later, once their masks are filled: ModelRunner.sample.)"""
+    except between a launch and the commit of the step before. Scheduler.schedule counts it as a
+    token to compute (_ends_when_read: unless it is the last); ModelRunner._flatten leaves a
+    placeholder in its input row, filled on the device from the step before's samples
+    (_put_input_ids); EngineCore._launch adds 1, _commit takes it off and appends the token (or
+    drops it if the sequence ended meanwhile). A prefill chunk not the prompt's last samples
+    nothing; a step with grammar rows samples later, once their masks are filled (ModelRunner)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
@@ -624,19 +616,16 @@ class Scheduler:
         return batch
 
     def _runs_this_step(self, seq: Sequence, decodes_wait: bool) -> bool:
-        """Whether a running sequence takes part in the step being built."""
-        if seq.status != "running":           # preempted earlier in this step's loop
-            return False
-        if self._ends_when_read(seq):         # its pending token is its last
-            return False
-        is_decoding = seq.num_computed_tokens >= seq.num_prompt_tokens
-        return not (is_decoding and decodes_wait)     # the burst rule holds decodes back
+        """Whether a running sequence takes part in the step being built: not if preempted earlier
+        in this step's loop, nor if its pending token is its last, nor a decode held back."""
+        preempted = seq.status != "running"
+        held_back = decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens  # burst rule
+        return not (preempted or self._ends_when_read(seq) or held_back)
 
     def _decodes_wait(self, budget: int) -> bool:
-        """The burst rule (above): True if decodes sit this step out so that prompts fill it. Only
-        while prompts can take their place: a seat is free, the pool has room for two full steps of
-        prompt tokens (with less, admission soon stops on blocks and decodes would wait for
-        nothing), and the waiting prompts fill at least this step."""
+        """The burst rule (above): True if decodes sit this step out for prompts, while those can
+        take their place: a seat is free, the pool holds two full steps of prompt tokens (with
+        less, admission soon stops on blocks, decodes waiting for nothing), prompts fill a step."""
         if self.num_steps % self.DECODES_EVERY == 0:
             return False                          # this step, decodes ride along
         seat_free = len(self.running) < self.cfg.max_num_seqs
@@ -734,12 +723,12 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On CUDA with the Triton
-# attention, each step replays a CUDA graph. A graph records every kernel launch of one forward pass
-# once (capture) and replays them all in one launch, where 200 launches from Python would leave the
-# GPU idle between kernels. A replay reads and writes the addresses it recorded: so each step copies
-# its inputs into static buffers (self.buffers), every graph's activations share one memory pool,
-# a step pads its batch up to the next captured size (_pad says why padding is harmless), and each
-# size runs once before its capture so that Triton compiles outside the recording.
+# attention, each step replays a CUDA graph: every kernel launch of one forward pass, recorded once
+# (capture) and replayed in one launch, where 200 launches from Python would leave the GPU idle. A
+# replay reads and writes the addresses it recorded: so each step copies its inputs into static
+# buffers (self.buffers), every graph's activations share one memory pool, a step pads its batch
+# to the next captured size (_pad says why that is harmless), and each size runs once before its
+# capture so that Triton compiles outside the recording.
 
 @dataclass
 class StepInputs:
@@ -748,17 +737,16 @@ class StepInputs:
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
     num_tokens: int                   # the real tokens; rows past them are padding
-    sample_rows: list                 # rows whose logits are sampled: each sequence's last
-    sample_seqs: list                 # token, once no prompt is left; those sequences' indices
+    sample_rows: list                 # the rows sampled (a sequence's last, once no prompt is left)
+    sample_seqs: list                 # and the indices of their sequences in the batch
     graph: Optional[tuple]            # (CUDAGraph, its output) to replay; None: run eagerly
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device, and its whole life: ModelRunner.launch queues its forward pass
-    and logits; EngineCore holds it as `launched` while the next step is scheduled and launched;
-    ModelRunner.sample (after the step before is read back) samples its rows and starts copying
-    them to the host, or with grammar rows starts their masks, and finish_sample samples once
-    they are filled (the next prepare at the latest); the next _commit waits for the copy."""
+    """A step on the device, its whole life: ModelRunner.launch queues its forward pass and logits;
+    EngineCore keeps it as `launched` while the next launches; sample (with grammar rows,
+    finish_sample once their masks are filled) samples it and starts the tokens' copy to the host,
+    which the next EngineCore.step's _commit waits for."""
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
@@ -845,11 +833,9 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
         """The step's inputs in the static buffers, in three parts: flatten the batch (_flatten),
         pad it to the size of the graph that replays it (_pad), fill in the pending tokens from
-        prev's samples (_put_input_ids). A worked step, block_size 16, a token budget of 41:
-        sequence B, running with 70 tokens and a pending one, decodes position 70 (blocks [2, 5,
-        8, 6, 1]); then sequence A, a 100-token prompt whose first 16 tokens were cached, takes the
-        40 tokens the budget has left (positions 16-55, blocks [7, 3, 9, 4]). _flatten makes 41
-        rows of 2 sequences:
+        prev's samples (_put_input_ids). A worked step, block_size 16, a budget of 41 tokens: B (70
+        tokens and a pending one, blocks [2, 5, 8, 6, 1]) decodes position 70; A (a 100-token
+        prompt, 16 cached, blocks [7, 3, 9, 4]) takes the 40 left (positions 16-55). _flatten:
             input_ids     0 for B's pending token (filled on the device), then A's tokens 16..55
             positions     70, 16, 17, .., 55
             slot_mapping  22 (block 1), 48..63 (block 3), 144..159 (block 9), 64..71 (block 4)
@@ -857,10 +843,8 @@ class ModelRunner:
             cu_seqlens_q  [0, 1, 41]: B owns row 0, A rows 1-40
             block_tables  [[2, 5, 8, 6, 1], [7, 3, 9, 4, 0]]: as wide as the longest, 0-padded
         Only row 0 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 40
-        would sample too). 41 tokens with a prompt among them replay the 48-token graph, so _pad
-        adds 7 rows and 46 sequences: seven -1 slots, 46 context_lens of 0, 46 more cu_seqlens_q of
-        41, and block_tables the buffer's full width; input_ids and positions keep what rows 41-47
-        held before."""
+        would too). 41 tokens with a prompt among them replay the 48-token graph: _pad adds seven
+        -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41, and widens block_tables."""
         flat, sample_rows, sample_seqs, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = self._graph_key(batch.is_decode, num_tokens)
@@ -967,7 +951,7 @@ class ModelRunner:
 
     # -- forward and sample --
     @torch.no_grad()
-    def launch(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"] = None) -> "LaunchedStep":
+    def launch(self, batch: ScheduledBatch, prev: Optional[LaunchedStep] = None) -> LaunchedStep:
         """Queue one step on the device, not waiting; prev's samples give its pending tokens."""
         inputs = self.prepare(batch, prev)
         if inputs.graph is not None:
@@ -986,9 +970,8 @@ class ModelRunner:
         return LaunchedStep(batch, seqs, self.model.compute_logits(hidden))  # (B, V) logits
 
     def sample(self, step: LaunchedStep):
-        """Sample a launched step's rows and start copying tokens back, once the step before is
-        read back and while this one's forward pass runs: penalties and grammars see every token.
-        Grammar rows wait for their masks (finish_sample): they fill as the next step is built."""
+        """Sample a launched step's rows and start copying tokens back (why now: EngineCore.step),
+        or with grammar rows start their masks: finish_sample samples once they are filled."""
         step.masks = self.token_masks(step.seqs)
         if step.masks is None:
             self.finish_sample(step)
@@ -1022,11 +1005,8 @@ class ModelRunner:
                 seq.prompt_logprobs += [(lp, dict(zip(i, v))) for lp, i, v in zip(
                     chosen.tolist(), top.indices.tolist(), top.values.tolist())]
 
-    # -- CUDA graphs --
-    # A graph replays a whole forward pass, reading its inputs from the buffers above. A decode
-    # step replays the graph of the next batch size up (1, 2, 4, 8, then every 16), whose attention
-    # is the decode kernel; a step with prompt tokens that of the next token count up (every 16 up
-    # to 256, then 8 sizes per doubling), whose attention is the varlen prefill kernel.
+    # -- CUDA graphs: a decode step replays the graph of the next batch size up (decode attention),
+    # a step with prompt tokens that of the next token count up (prefill attention) --
     def _graph_key(self, is_decode: bool, num_tokens: int) -> Optional[tuple]:
         sizes = self.graph_sizes[is_decode]
         i = bisect.bisect_left(sizes, num_tokens)
@@ -1096,9 +1076,6 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
         self.num_generated_tokens = 0                      # for /metrics
-        # Matchers are built on a thread of their own, never on the step loop:
-        # once per distinct grammar, each request a copy (pa.GrammarMasks.new_matcher).
-        self.compiler = ThreadPoolExecutor(max_workers=1)
 
     def add_request(self, request: EngineCoreRequest):
         """Queue a checked request (FrontEnd.validate); it joins the batch next step."""
@@ -1106,8 +1083,7 @@ class EngineCore:
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
         if request.params.grammar is not None:   # ready long before its first sample, mostly
-            seq.matcher = self.compiler.submit(self.runner.grammar_masks.new_matcher,
-                                               request.params.grammar)
+            seq.matcher = self.runner.grammar_masks.new_matcher(request.params.grammar)
         self.seqs[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
 
@@ -1120,13 +1096,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    # -- one step: async scheduling (the pending token: see Sequence) --
     def step(self) -> list:
-        """Launch the next step, read back the previous call's, then sample the new one: sampling
-        after the read-back lets penalties and grammars see every token so far, while the host's
-        work still hides behind the new step's forward pass. Returns an EngineCoreOutput per
-        sequence that sampled in the step read back and had not ended meanwhile (the first call
-        reads nothing back: []). New requests join the next launch."""
+        """Launch the next step, read back the previous call's, then sample the new one: after the
+        read-back, penalties and grammars see every token so far, and the host's work still hides
+        behind the new step's forward pass. Returns an EngineCoreOutput per sequence that sampled
+        in the step read back and had not ended meanwhile (none the first call)."""
         prev = self.launched
         self.launched = self._launch(prev)         # step N+1, before step N is read back
         outputs = self._commit(prev) if prev is not None else []
@@ -1165,9 +1139,8 @@ class EngineCore:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
-        """One read-back token into its sequence, and the output that reports it, which ends the
-        sequence if the token finishes it. logprobs: the token's, then the top ones' values and
-        ids, when the step computed them."""
+        """One read-back token into its sequence, and the output reporting it; ends the sequence if
+        the token finishes it. logprobs, when computed: the token's, the top values, their ids."""
         seq.token_ids.append(token)           # (its grammar followed it in _commit)
         keep = seq.params.max_tokens > 0     # 0: only the prompt's log-probs were wanted
         out = EngineCoreOutput(seq.request_id, token if keep else None,
@@ -1194,9 +1167,8 @@ class EngineCore:
             return "length"
 
     def fail_running(self, error: Exception) -> list:
-        """A step raised: every running sequence ends in error (in that step or not), its blocks
-        freed; the waiting ones stay queued and the engine core goes on. The launched step is
-        dropped unread, so no sequence has a pending token left (a preempted one may have had)."""
+        """A step raised: every running sequence ends in error, its blocks freed; waiting ones stay
+        queued, none with a pending token (the launched step is dropped unread)."""
         self.launched = None
         failed = [s for s in self.seqs.values() if s.status == "running"]
         for seq in failed:
@@ -1220,11 +1192,12 @@ class EngineCore:
                     preemptions_total=s.num_preemptions)
 
 # ---------------------------------------------------------------------------
-# Requests in: chat templates and tool calls (a skim on a first read)
-# The chat API's text conventions, used by the front end and the chat endpoint: a model's chat
-# template renders messages (and tools) into one prompt, and each model family writes a tool call
-# its own way: how the model is asked for one (_tools_as_text), the grammar that keeps a started
-# call valid (tool_call_grammar), and how calls are parsed back out of the text (split_tool_calls).
+# Requests in, text out
+# The front end: everything per request that the engine core never needs: chat templates (first),
+# tokenizing, checks against the engine's limits, and token ids back to text (incremental
+# detokenization, stop strings). It runs in the caller's process (the server's, or LLM.generate's).
+
+# -- chat templates and tool calls, up to load_tokenizer (a skim on a first read) --
 
 def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
@@ -1291,14 +1264,6 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}")
 
-def tool_call_format(template: str, flag: str) -> str:
-    """The format of a model's "auto" calls: the flag's, else Llama's if its chat template writes
-    <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (_tools_as_text's)."""
-    if flag != "auto":
-        return flag
-    writes_llama_calls = "<|python_tag|>" in template or '"parameters"' in template
-    return "llama3" if writes_llama_calls and "<tool_call>" not in template else "hermes"
-
 def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
     or the one named, spaced as json.dumps (as models are trained), one unless parallel."""
@@ -1336,12 +1301,6 @@ def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
             break
         pos = after.end()
     return text[:start].rstrip(), calls
-
-# ---------------------------------------------------------------------------
-# Requests in, text out
-# The front end: everything per request that the engine core never needs: chat templates (above),
-# tokenizing, checks against the engine's limits, and token ids back to text (incremental
-# detokenization, stop strings). It runs in the caller's process (the server's, or LLM.generate's).
 
 def load_tokenizer(model_dir: str):
     """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
@@ -1392,8 +1351,7 @@ class RequestState:
         return delta
 
 def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
-    """SamplingParams' own checks, each a ValueError whose first word names the field; logit_bias
-    leaves with int keys (JSON sends them as strings)."""
+    """SamplingParams' own checks (a ValueError naming the field first); logit_bias keys to ints."""
     least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt only
     if not isinstance(p.max_tokens, int) or p.max_tokens < least:
         raise ValueError(f"max_tokens must be an integer >= {least}, got {p.max_tokens!r}")
@@ -1423,7 +1381,11 @@ class FrontEnd:
         self.cfg, self.num_blocks = cfg, num_blocks
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate(tokenizer_config)
-        self.tool_call_format = tool_call_format(self.chat_template.source, cfg.tool_call_parser)
+        # "auto" calls: the flag's format, else Llama's if the template writes <|python_tag|> or
+        # "parameters" and no <tool_call>, else Hermes's (also what _tools_as_text asks for)
+        src, flag = self.chat_template.source, cfg.tool_call_parser
+        llama = "<tool_call>" not in src and ("<|python_tag|>" in src or '"parameters"' in src)
+        self.tool_call_format = flag if flag != "auto" else "llama3" if llama else "hermes"
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
@@ -1480,7 +1442,7 @@ class FrontEnd:
     def process(self, outputs: list) -> tuple[list, list]:
         """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
         string ended, for the engine core to abort. Tokens computed past the stop are dropped: one
-        in-process, a few more behind the server, where the abort crosses two pipes."""
+        in-process, a few more behind the server, where tokens and abort cross a pipe each."""
         now, changed = time.perf_counter(), {}
         for out in outputs:
             state = self.states.get(out.request_id)
@@ -1515,14 +1477,11 @@ class FrontEnd:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _detokenize(self, states: list):
-        """Append each request's newly completed text. A window of a few tokens is decoded twice
-        (before and after the new tokens), all requests in one batched call; text is added once it
-        no longer ends in U+FFFD, so a multi-byte character split over tokens is never half-sent.
-        The window is token_ids[prefix_offset:]: the tokens already shown from prefix_offset to
-        read_offset are decoded again as context (a tokenizer may render a token differently after
-        another, a leading space say). Say tokens 0-4 are shown (offsets 3 and 5) and 5-6 arrive:
-        decode(3:5) = "ab", decode(3:) = "abcd", so "cd" is added and the offsets become 5 and 7.
-        Had token 6 been half an emoji, "abc\ufffd" would wait for the next token, offsets kept."""
+        """Append each request's newly completed text, all requests in one batched decode. The
+        shown tokens [prefix_offset, read_offset) are decoded again as context (a token may render
+        differently after another: a leading space), then with the new ones: say tokens 0-4 are
+        shown (offsets 3, 5) and 5-6 arrive; decode(3:5) = "ab", decode(3:) = "abcd": "cd" is added,
+        offsets 5, 7. Text ending in U+FFFD (half a character) waits for the next token."""
         if self.tokenizer is None or not states:
             return
         windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
@@ -1534,13 +1493,13 @@ class FrontEnd:
                 s.prefix_offset, s.read_offset = s.read_offset, len(s.token_ids)
 
     def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int) -> bool:
-        for stop in state.params.stop:
-            # a new match must end inside the text added this step
-            idx = state.text.find(stop, max(0, num_old_chars - len(stop) + 1))
-            if idx != -1:
-                state.text = state.text[:idx]
-                return True
-        return False
+        """Cut the text at the earliest stop string; a new match ends inside this step's text."""
+        starts = [state.text.find(stop, max(0, num_old_chars - len(stop) + 1))
+                  for stop in state.params.stop]
+        first = min((i for i in starts if i != -1), default=None)
+        if first is not None:
+            state.text = state.text[:first]
+        return first is not None
 
 class LLM:
     """Offline generation in vLLM's shape: LLM(model_dir).generate(prompts, SamplingParams(...))
@@ -1645,9 +1604,9 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 
 class EngineCoreClient:
-    """Starts the engine core process, sends it requests and aborts (_send_all), and hands back its
-    outputs to each request's queue (receive, _deliver: a loop that falls behind gets several steps'
-    tokens at once). It knows no HTTP: a failed request ends with finish_reason "error"."""
+    """Starts the engine core process, sends it requests and aborts (_send_all), hands its outputs
+    back to each request's queue (receive, _deliver: a slow loop gets several steps' tokens at
+    once). It knows no HTTP: a failed request ends with finish_reason "error"."""
 
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
@@ -1782,9 +1741,14 @@ class EngineCoreClient:
         self.front.states.clear()
 
 # ---------------------------------------------------------------------------
-# Requests in: the OpenAI API's fields (a skim on a first read)
-# Each endpoint's body is checked against a table of its fields (parse_fields): a JSON type each,
-# and a rule where a field needs more; a bad field is a 400 in OpenAI's shape that names it.
+# Server
+# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. A
+# request's path: its handler (OpenAIServer.completions or .chat) checks the body's fields
+# (parse_fields, first below) and tokenizes in a thread; _respond hands EngineCoreClient.generate's
+# states to the endpoint's _Shape, whose chunks go out as SSE events (_EventStream runs
+# _Shape.stream, and turns a client that leaves into an abort) or fold into one body (_Shape.body).
+
+# -- request parsing (a skim on a first read): a table of each endpoint's fields (parse_fields) --
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1951,14 +1915,6 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                            prompt_logprobs=prompt_logprobs, grammar=grammar,
                            seed=None if seed is None else (seed + i) % 2**64)
             for i in range(f.get("n", 1))]
-
-# ---------------------------------------------------------------------------
-# Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. A
-# request's path: its handler (OpenAIServer.completions or .chat) checks the body's fields
-# (parse_fields, above) and tokenizes in a thread; _respond hands EngineCoreClient.generate's states
-# to the endpoint's _Shape, whose chunks go out as SSE events (_EventStream runs _Shape.stream, and
-# turns a client that leaves into an abort) or fold into one body (_Shape.body).
 
 # -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
 _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call

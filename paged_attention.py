@@ -1380,9 +1380,14 @@ class GrammarMasks:
         self.bitmask = torch.empty(max_rows, triton.cdiv(vocab_size, 32), dtype=torch.int32,
                                    pin_memory=pin)  # (max_rows, cdiv(V, 32))
         self.thread = concurrent.futures.ThreadPoolExecutor(1)   # waits on the pool for fill_async
+        self.compiler = concurrent.futures.ThreadPoolExecutor(1)  # builds matchers, off the loop
 
     def new_matcher(self, grammar):
-        """A request's own matcher: on one thread only (the engine's compile thread)."""
+        """A Future of a request's own matcher, built on the compile thread (never on the step
+        loop): once per grammar and family, a copy for each request."""
+        return self.compiler.submit(self._new_matcher, grammar)
+
+    def _new_matcher(self, grammar):
         family, self.num_matchers = self.num_matchers % self.num_threads, self.num_matchers + 1
         return self.built(grammar, family).deep_copy()
 

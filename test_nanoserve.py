@@ -330,6 +330,14 @@ def test_stop_strings_and_tokens(smol_llm):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_stop_strings_cut_at_the_earliest_match(smol_llm):
+    """With several stop strings in the new text, the earliest match cuts it, whatever their
+    order in the list (the text must contain none of them)."""
+    state = ns.RequestState("r", [1], ns.SamplingParams(stop=["b", "a"]), incremental=True)
+    state.text = "xab"
+    assert smol_llm.front._truncate_at_stop_string(state, 1) and state.text == "x"
+
+
 def test_stop_string_completed_by_the_last_token(smol_llm):
     """Stop strings are checked on every token, the one that reaches
     max_tokens too: a match there cuts the text and finishes with "stop"."""
