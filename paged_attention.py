@@ -774,8 +774,8 @@ def _prefill_kernel(
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     # -- a padding sequence (no rows: cu[b] == cu[B]) owns one program, _first_tile(b), which
-    # leaves before the search: searching, the 1,024 sequence slots of a graph made a small
-    # mixed step's attention 65 us a layer instead of 46 (256 slots) on an H200; now 48 --
+    # leaves before the search: a graph has up to max_num_seqs sequence slots, mostly padding,
+    # and a search in each made a small mixed step's attention slower (README, Speed) --
     total = tl.load(cu_seqlens_q_ptr + num_seqs)
     pad = pid - total * G // BLOCK_M   # the padding sequence this program would be
     if tl.load(cu_seqlens_q_ptr + pad, mask=(pad >= 0) & (pad < num_seqs), other=-1) == total:
@@ -1073,10 +1073,9 @@ def _gemv_kernel(
 # with PDL (bf16, one row, Llama-3.2-1B shapes, each with its own prologue and
 # epilogue): every candidate timed inside a whole batch-1 decode step (16
 # layers and the LM head in a CUDA graph), since a small GEMV's cost is also
-# how it overlaps its neighbours. Per call, back to back over weights that do
-# not fit in L2: qkv 5.5 us, o 3.6, gate_up 18.8, down 11.3, the LM head 122
-# (2.3, 2.3, 3.6, 3.0 and 4.3 TB/s, where a copy moves 4.25). The small ones
-# are bound by latency, not bandwidth: 8 to 13 MB are gone in a few round trips.
+# how it overlaps its neighbours (the per-matrix times: README, Speed). The
+# small matrices are bound by latency, not bandwidth: 8 to 13 MB are gone in a
+# few round trips.
 def _gemv_config(N, K):
     if N > 65536:       # the LM head
         return 16, 128, 1, 4
