@@ -1083,7 +1083,7 @@ class EngineCore:
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
         if request.params.grammar is not None:   # ready long before its first sample, mostly
-            seq.matcher = self.runner.grammar_masks.new_matcher(request.params.grammar)
+            seq.matcher = self.runner.grammar_masks.start_matcher(request.params.grammar)
         self.seqs[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
 
