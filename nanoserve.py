@@ -1129,10 +1129,10 @@ class EngineCore:
         self.runner.grammar_masks.consume([(s.matcher.result(), t) for s, t in zip(step.seqs,
             tokens) if s.matcher is not None and not s.is_finished])  # grammars follow the output
         outputs = []
-        for i, seq in enumerate(step.seqs):
+        for seq, row in zip(step.seqs, zip(*host)):   # row: its token, then its log-probs
             seq.num_pending_tokens -= 1         # read: no longer pending (see Sequence)
             if not seq.is_finished:             # else aborted, or ended by the step before
-                outputs.append(self._append_token(seq, *[column[i] for column in host]))
+                outputs.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
             self.scheduler.cache_computed_blocks(seq)    # a finished one has no blocks left
         self.num_generated_tokens += len(outputs)
