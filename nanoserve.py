@@ -981,7 +981,7 @@ class ModelRunner:
             return                         # sampled already, or nothing to sample
         allowed = step.masks.result() if step.masks else None   # waits for the masks
         step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs, allowed))
-        step.host = [step.tokens, *(logprobs or ())]      # (B,) each
+        step.host = [step.tokens, *(logprobs or ())]      # (B,), then (B,), (B, k), (B, k)
         if self.use_cuda:
             step.host = [t.to("cpu", non_blocking=True) for t in step.host]  # into pinned memory
             step.copied = torch.cuda.Event()
