@@ -40,7 +40,6 @@ import numpy as np
 import prometheus_client
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import uvicorn
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
