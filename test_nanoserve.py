@@ -1827,6 +1827,10 @@ def test_json_schema_output(client):
     obj = client.chat.completions.create(temperature=0, **{**kw, "response_format": {
         "type": "json_object"}}).choices[0].message.content
     assert isinstance(json.loads(obj), dict)
+    anything = {"type": "json_schema", "json_schema": {"name": "any", "schema": {}}}
+    r = client.chat.completions.create(temperature=0, **{**kw, "response_format": anything})
+    if r.choices[0].finish_reason == "stop":         # the empty schema: any JSON value
+        json.loads(r.choices[0].message.content)
     r = client.completions.create(model=MODEL, prompt="A person, as JSON:", max_tokens=200,
                                   temperature=0, extra_body={"response_format": PERSON_FORMAT})
     check_person(r.choices[0].text)
