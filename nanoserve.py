@@ -2260,11 +2260,9 @@ class OpenAIServer:
 
     async def _grammar(self, source, field: str) -> Optional[str]:
         """The grammar of a JSON schema or of Lark text, compiled in a thread (FrontEnd.grammar)."""
-        if source is None:                    # ({} is a schema: any JSON value)
-            return None
         try:
-            lark = isinstance(source, str)
-            return await asyncio.to_thread(
+            lark = isinstance(source, str)       # None: no grammar ({} is one: any JSON value)
+            return None if source is None else await asyncio.to_thread(
                 self.front.grammar, source if lark else json.dumps(source), lark)
         except ValueError as e:
             raise APIError(400, f"'{field}': {e}", param=field)
