@@ -1413,7 +1413,8 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     for mode, flags in SIZE_FLAGS.items():
-        p = sub.add_parser(mode, parents=[common], help=MODES[mode].__doc__.split("\n")[0].replace("%", "%%"))
+        summary = MODES[mode].__doc__.split("\n")[0].replace("%", "%%")   # argparse formats help
+        p = sub.add_parser(mode, parents=[common], help=summary)
         for name, kind, gpu, cpu, text in flags:
             default = "" if gpu is None else f" (default {gpu} on cuda, {cpu} on cpu)"
             p.add_argument("--" + name.replace("_", "-"), type=kind, help=text + default)
