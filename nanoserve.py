@@ -198,7 +198,6 @@ def _progress(msg: str, end: bool = False):
 def load_weights(model: nn.Module, cfg: Config):
     """Copy every checkpoint tensor into its slice; fail on anything missing or extra."""
     from safetensors import safe_open
-
     files = sorted(Path(cfg.model).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors file in {cfg.model!r}")
@@ -262,7 +261,6 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos and sin of every position times every channel pair's frequency, precomputed; Attention's
     rope_store rotates (pa.rope_ref), on the GPU fused with the KV write (pa.rope_store_kvcache)."""
-
     def __init__(self, cfg: Config):
         super().__init__()
         t = torch.arange(cfg.max_model_len, dtype=torch.float32)  # (max_model_len,) positions
@@ -284,7 +282,6 @@ class AttentionMetadata:
 
 class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv K/V heads."""
-
     def __init__(self, cfg: Config):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -313,7 +310,6 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
-
     def __init__(self, cfg: Config):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -333,8 +329,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rope, meta):               # (N_tok, D)
-        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)), each
-        sublayer's first matmul applying the norm and its last adding the residual."""
+        """transformers' pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h))."""
         h = self.attn(x, positions, rope, meta, norm=self.input_layernorm, residual=x)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
@@ -927,10 +922,9 @@ class ModelRunner:
             top_ks=per_row([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
             top_ps=per_row([p.top_p for p in params], torch.float32),
             generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
-            all_greedy=all_greedy,
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            logit_edits=self.logit_edits(seqs), allowed=allowed)
+            all_greedy=all_greedy, logit_edits=self.logit_edits(seqs), allowed=allowed)
 
     def token_masks(self, seqs: list) -> Optional[tuple]:
         """A Future of pa.apply_token_mask's rows and bitmasks (what their matchers allow next)."""
@@ -1197,7 +1191,6 @@ class EngineCore:
 # detokenization, stop strings). It runs in the caller's process (the server's, or LLM.generate's).
 
 # -- chat templates and tool calls, up to load_tokenizer (a skim on a first read) --
-
 def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
 
@@ -1240,7 +1233,6 @@ def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
 class ChatTemplate:
     """The model's chat template (tokenizer_config.json), rendered as transformers does: it is code
     from the checkpoint, so in jinja2's sandbox; blocks trimmed; raise_exception, strftime_now."""
-
     def __init__(self, tokenizer_config: dict):
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -1322,7 +1314,6 @@ class Delta:
 
 class RequestState:
     """One request as the front end sees it; LLM.generate returns these (vLLM's RequestOutput)."""
-
     def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams,
                  incremental: bool, index: int = 0):
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
@@ -1375,7 +1366,6 @@ def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
 
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
-
     def __init__(self, cfg: Config, num_blocks: int):
         self.cfg, self.num_blocks = cfg, num_blocks
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
@@ -1503,14 +1493,12 @@ class FrontEnd:
 class LLM:
     """Offline generation in vLLM's shape: LLM(model_dir).generate(prompts, SamplingParams(...))
     -> [RequestState]. The engine core runs in this process: offline, nothing competes with it."""
-
     def __init__(self, model=DEFAULT_MODEL, **settings):   # a folder, or a whole Config
         cfg = model if isinstance(model, Config) else Config(model=model, **settings)
         self.engine = EngineCore(cfg)
         self.front = FrontEnd(cfg, self.engine.allocator.num_blocks)
 
-    def add(self, prompt_ids: list, params: SamplingParams, incremental: bool = False
-            ) -> RequestState:
+    def add(self, prompt_ids: list, params: SamplingParams, incremental=False) -> RequestState:
         self.front.validate(prompt_ids, params)
         request = self.front.add(prompt_ids, params, incremental)
         self.engine.add_request(request)
@@ -1601,12 +1589,10 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
-
 class EngineCoreClient:
     """Starts the engine core process, sends it requests and aborts (_send_all), hands its outputs
     back to each request's queue (receive, _deliver: a slow loop gets several steps' tokens at
     once). It knows no HTTP: a failed request ends with finish_reason "error"."""
-
     def __init__(self, cfg: Config, setup=None):
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
         inbox_end, self.inbox = ctx.Pipe(duplex=False)     # server -> engine core
@@ -1748,7 +1734,6 @@ class EngineCoreClient:
 # _Shape.stream, and turns a client that leaves into an abort) or fold into one body (_Shape.body).
 
 # -- request parsing (a skim on a first read): a table of each endpoint's fields (parse_fields) --
-
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
@@ -1919,12 +1904,10 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
 _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
 
 class _Shape:
-    """One response being built, any endpoint: ids, envelopes, chunks, top log-probs (the model's
-    own, before temperature and top-p, as OpenAI reports them; clamped: JSON has no -inf)."""
+    """A response, any endpoint: ids, envelopes, chunks, log-probs (clamped: JSON has no -inf)."""
     id_prefix = object = chunk_object = ""
 
-    def __init__(self, server: "OpenAIServer", num_prompt_tokens: int,
-                 num_top_logprobs: Optional[int]):
+    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs: Optional[int]):
         self.server, self.num_top_logprobs = server, num_top_logprobs
         self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
         self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
@@ -2057,8 +2040,7 @@ class _CompletionShape(_Shape):
     `logprobs`, its tokens' log-probs before theirs (null for the first, which nothing predicts)."""
     id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, server, prompts: list, prompt_ids: list, num_top_logprobs, echo: bool,
-                 n: int):
+    def __init__(self, server, prompts: list, prompt_ids: list, num_top_logprobs, echo, n: int):
         super().__init__(server, sum(map(len, prompt_ids)), num_top_logprobs)
         self.echoes = [(p if isinstance(p, str) else server.front.decode(ids), ids) if echo
                        else None for p, ids in zip(prompts, prompt_ids)]  # (text, ids) or None
@@ -2147,13 +2129,11 @@ class _ChatShape(_Shape):
                             for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
 
 # -- the app --
-
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 class OpenAIServer:
     """The routes over one EngineCoreClient; handlers run on the event loop (Server, above)."""
-
     def __init__(self, client: EngineCoreClient, cfg: Config):
         self.client, self.front, self.cfg = client, client.front, cfg
         self.model_name = Path(cfg.model).name             # what clients pass as 'model'
