@@ -1870,8 +1870,8 @@ def parse_fields(body: dict, spec: dict, path: str = "") -> dict:
 
 def _check(value, kind, path: str):
     """A value against its kind: a JSON type, an object's spec or [an array's item kind]."""
-    if value is None or kind is object:
-        return value
+    if kind is object or value is None and not path.endswith("]"):   # null: an absent field,
+        return value                                                  # but never an array item
     shape = dict if isinstance(kind, dict) else list if isinstance(kind, list) else kind
     # an integer is a fine number; true is an int in Python but not in JSON
     accepted = (int, float) if shape is float else shape

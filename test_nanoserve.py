@@ -2057,6 +2057,7 @@ BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
      "tool_choice.function.name"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"stream_options": {"unknown": True}}, "stream_options.unknown"),
+    ({"tools": [None]}, "tools[0]"),                 # a null item is not an absent field
 ]
 
 
