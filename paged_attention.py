@@ -1635,14 +1635,18 @@ class TensorParallelWorkers:
 
 
 def _worker_main(run_worker, cfg, rank, port, pipe):
-    """A worker process: its signals, its GPU, its place in the group, then run_worker."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's; the pipe's EOF ends us
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the engine core ignores it: not inherited
+    """A worker process: its signals, its GPU, its place in the group, then run_worker;
+    once that returns (rank 0 is gone), out at once: no teardown waits on a dead peer."""
+    for sig in (signal.SIGINT, signal.SIGTERM):    # as the engine core: what stops rank 0 (the
+        signal.signal(sig, signal.SIG_IGN)         # server, Ctrl-C) stops us by the pipe's EOF
     if _backend(cfg.device) == "nccl":
         cfg.device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
     _init_group(cfg.device, rank, cfg.tensor_parallel_size, port)
     run_worker(cfg, pipe)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------
