@@ -13,6 +13,7 @@ Run it:
     python download.py                                  # SmolLM2-135M-Instruct
     python nanoserve.py generate "The capital of France is" --temperature 0
     python nanoserve.py serve --port 8000               # OpenAI API on 127.0.0.1
+    python nanoserve.py serve --tensor-parallel-size 2  # the model cut over two GPUs
     pytest -q test_nanoserve.py                         # checked against transformers
 
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
@@ -289,7 +290,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        tp = cfg.tensor_parallel_size       # a rank's heads (tensor parallelism: Engine core process)
+        tp = cfg.tensor_parallel_size       # a rank holds 1/tp of the heads (Engine core process)
         self.n_heads, self.n_kv, self.hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         self.split_sizes = [q_size, kv_size, kv_size]      # the rows of q, k, v in qkv_proj
@@ -867,7 +868,7 @@ class ModelRunner:
         for name, values in flat.items():
             pa.put(self.buffers[name], values)
         b = self.buffers
-        pa.broadcast_from_rank0(b["input_ids"][:N])   # rank 0's: pending tokens filled on its device
+        pa.broadcast_from_rank0(b["input_ids"][:N])   # rank 0's, pending tokens filled on its GPU
         meta = AttentionMetadata(b["slot_mapping"][:N], b["block_tables"][:S, :width],
                                  b["context_lens"][:S], b["cu_seqlens_q"][:S + 1], is_decode)
         return b["input_ids"][:N], b["positions"][:N], meta
@@ -1626,12 +1627,15 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
 # (all_reduce=True), rank 0's part alone bringing the residual, so the sum counts it once. The
 # embedding, norms and LM head stay whole, so every rank holds the same residual stream; the KV
 # pool holds a rank's n_kv/N heads, with the same blocks on every rank (pa.shard cuts the weights).
-# Rank 0 alone schedules, allocates blocks, computes logits and samples: after an all-reduce every
-# rank has the same hidden states, so one rank's logits are all of them, and each host decision is
-# made once. Each step it sends every worker put_step's arguments (host lists) down a pipe, before
-# its own forward pass; the input ids go by a device broadcast in put_step instead, since a pending
-# token (Sequence) lives on rank 0's device only. Start-up (loading, the KV pool's size, CUDA graphs
-# with their all-reduces) runs alike on every rank. A worker's death: pa.TensorParallelWorkers.
+# Rank 0 alone schedules, allocates blocks, computes logits and samples: after the last all-reduce
+# every rank holds the same hidden states, so its logits would be everyone's, and sampling reads
+# host state (generators, grammars, the tokens so far) that only rank 0 keeps; workers drop theirs.
+# Each step rank 0 sends every worker put_step's arguments (a few host lists) down a pipe before its
+# own forward pass: the simplest way that works, and the pipe's EOF tells a worker that rank 0 is
+# gone. The input ids go by a device broadcast in put_step instead, queued on the stream with no
+# host sync, because a pending token (Sequence) is on rank 0's GPU only when the next step is sent.
+# Start-up (loading, the KV pool's size, CUDA graphs with their all-reduces) runs alike on every
+# rank, in the same order. How a worker's death is handled: pa.TensorParallelWorkers.
 
 def run_worker(cfg: Config, pipe):
     """A worker's main thread (pa.start_workers starts it): rank 0's start-up, then rank 0's steps
