@@ -21,6 +21,10 @@ owns in order. This file holds the kernels that touch that pool:
     GrammarMasks             grammar masks filled on the host's cores, off
                              the step loop, for apply_token_mask to apply in
                              place in one launch
+    shard, row_parallel_linear, TensorParallelWorkers
+                             tensor parallelism: a rank's cut of each weight,
+                             the all-reduce after o and down, the ranks'
+                             processes (nanoserve tells the design)
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
