@@ -1583,8 +1583,9 @@ class TensorParallelWorkers:
     which waits on the processes' sentinels. With exit_on_death (nanoserve's engine
     core process sets it) rank 0 then exits too, and the server fails the requests
     as for any engine-core death. Else, on the CPU, the step in flight raises (gloo
-    reports the peer gone), and so does every later send; on the GPU a collective
-    waiting for a dead rank never returns, so there rank 0 exits in any case."""
+    reports the peer gone), and so does every later send. Rank 0 exits in any case
+    on the GPU, where a collective waiting for a dead rank never returns, and during
+    start-up, which may be waiting for the dead rank to join the group."""
 
     def __init__(self, cfg, run_worker):
         n, backend = cfg.tensor_parallel_size, _backend(cfg.device)
@@ -1634,7 +1635,7 @@ class TensorParallelWorkers:
         proc.join(1)
         self.error = f"the tensor-parallel worker {proc.name} exited (exit code {proc.exitcode})"
         print(f"error: {self.error}", file=sys.stderr, flush=True)
-        if self.exit_on_death:
+        if self.exit_on_death or not self.started:
             os._exit(1)
 
 
