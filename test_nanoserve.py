@@ -2453,6 +2453,39 @@ def test_tensor_parallel_engine_core_and_worker_death():
         client.shutdown()
 
 
+TP_CUDA_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(200, 290))]
+
+
+def _tp_cuda_generate(path, tp, eager, queue):
+    llm = ns.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=tp, enforce_eager=eager,
+                 num_blocks=64, block_size=8, max_num_batched_tokens=48, max_num_seqs=4)
+    params = ns.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    queue.put([o.token_ids for o in llm.generate(TP_CUDA_PROMPTS, params)])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_cuda_equals_tp1(tmp_path):
+    """On two GPUs (NCCL), fp32: TP=2 with CUDA graphs (the all-reduces captured)
+    and TP=2 eager give the tokens of TP=1, on a tiny random model with 2 KV heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)).eval()
+    with torch.no_grad():   # larger weights than the default init, so outputs vary per token
+        for p in hf.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    hf.save_pretrained(str(tmp_path))
+    queue = torch.multiprocessing.get_context("spawn").Queue()
+    outs = {}
+    for tp, eager in ((1, False), (2, False), (2, True)):
+        run_processes(_tp_cuda_generate, [(str(tmp_path), tp, eager, queue)])
+        outs[tp, eager] = queue.get(timeout=10)
+    assert outs[2, False] == outs[1, False]
+    assert outs[2, True] == outs[1, False]
+
+
 def test_tensor_parallel_size_must_divide_the_heads(capsys):
     """SmolLM2's 3 KV heads do not split over 2 ranks: a ValueError before any
     process starts, and one line from the CLI."""
