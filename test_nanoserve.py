@@ -2373,7 +2373,7 @@ def _sharded_layer_rank(rank, port):
         cfg = Config(model=DEFAULT_MODEL, device="cpu", num_blocks=64, tensor_parallel_size=tp)
         model = ns.build_model(cfg)
         attn = model.layers[0].attn
-        shape = (64, 16, cfg.num_kv_heads // tp, cfg.head_dim)   # (num_blocks, block_size, n_kv, hd)
+        shape = (64, 16, cfg.num_kv_heads // tp, cfg.head_dim)  # (num_blocks, block_size, n_kv, hd)
         attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
         with torch.no_grad():
             outputs[tp] = (attn(x, torch.arange(T), model.rope, prefill_meta(T)),
@@ -2420,7 +2420,7 @@ def test_tensor_parallel_llm_equals_tp1_and_a_dead_worker_raises(smol_llm):
     assert error != "no error"
 
 
-def test_tensor_parallel_engine_core_and_worker_death():
+def test_tensor_parallel_engine_core_and_worker_death(smol_llm):
     """Served with 3 ranks behind the engine core process: the same greedy text
     as offline at TP=1; a worker killed mid-stream ends the stream with an error,
     /health turns 503, and the engine core process exits."""
@@ -2430,9 +2430,8 @@ def test_tensor_parallel_engine_core_and_worker_death():
     try:
         oai = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         text = oai.completions.create(prompt=TP_PROMPTS[0], **GREEDY_REQUEST).choices[0].text
-        ref = ns.LLM(DEFAULT_MODEL, device="cpu", num_blocks=256).generate(
-            TP_PROMPTS[0], ns.SamplingParams(temperature=0, max_tokens=8))[0].text
-        assert text == ref
+        greedy = ns.SamplingParams(temperature=0, max_tokens=8)
+        assert text == smol_llm.generate(TP_PROMPTS[0], greedy)[0].text
         with open(f"/proc/{client.process.pid}/task/{client.process.pid}/children") as f:
             workers = [int(pid) for pid in f.read().split()]
         assert len(workers) == TP - 1, workers
