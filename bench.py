@@ -26,9 +26,11 @@ each setting prints one line with a hardware-relative figure next to the raw
 one: GB/s and % of the device copy bandwidth for decode (measured at start-up
 in the same run), TFLOP/s and % of a measured matmul (bf16 on the GPU) for
 prefill. Speed does not depend on weight values, so `--random llama-3.2-1b`
-builds Llama-3.2-1B's exact shapes with random weights (no download needed).
+builds Llama-3.2-1B's exact shapes with random weights (no download needed);
+`--random llama-3.1-8b --tensor-parallel-size 2` runs Llama-3.1-8B's over two
+GPUs (the hardware figures are one GPU's).
 
-Left out on purpose: accuracy (see the tests), multi-GPU, sampling
+Left out on purpose: accuracy (see the tests), sampling
 (everything decodes greedily with EOS ignored, so each request generates
 exactly the tokens it asked for).
 
@@ -259,6 +261,14 @@ RANDOM_MODELS = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5,
         bos_token_id=128000, eos_token_id=128001),
+    # too large for one GPU at 70B; at 8B the shapes tensor parallelism is measured on
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        bos_token_id=128000, eos_token_id=128001),
     # head_dim 16: the smallest the Triton kernels take (tl.dot needs >= 16)
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -394,7 +404,7 @@ def random_prompts(rng, vocab_size, lengths):
 
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "attention",
-                "enforce_eager")  # passed to nanoserve only when set
+                "enforce_eager", "tensor_parallel_size")  # passed to nanoserve only when set
 
 
 def make_llm(args, model_dir, **overrides):
@@ -1404,7 +1414,8 @@ def parse_args(argv=None):
     g.add_argument("--json", help="write hardware figures and every result line to this file")
     g.add_argument("--out-dir", default=str(REPO_DIR / "bench_out"), help="PNGs, server log, random models")
     g = common.add_argument_group("nanoserve engine (its own defaults unless set)")
-    for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+                 "tensor_parallel_size"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
     g.add_argument("--attention", choices=["triton", "sdpa", "torch"])
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")

@@ -6,13 +6,14 @@ continuous-batching scheduler that mixes chunked prefills and decodes in one ste
 with grammars for structured output, CUDA graphs for every step, and an OpenAI-compatible HTTP
 server with SSE streaming. The paged-attention kernels live next door in paged_attention.py.
 
-Left out on purpose: tensor parallelism, quantization, speculative decoding,
+Left out on purpose: pipeline parallelism, quantization, speculative decoding,
 LoRA, beam search, multimodal inputs and every model family but Llama.
 
 Run it:
     python download.py                                  # SmolLM2-135M-Instruct
     python nanoserve.py generate "The capital of France is" --temperature 0
     python nanoserve.py serve --port 8000               # OpenAI API on 127.0.0.1
+    python nanoserve.py serve --tensor-parallel-size 2  # the model cut over two GPUs
     pytest -q test_nanoserve.py                         # checked against transformers
 
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
@@ -54,7 +55,7 @@ import paged_attention as pa
 #   B        sequences in a step (or rows of a padded CUDA-graph batch);  T  tokens of one sequence
 #   N_tok    tokens of a step, all sequences flattened (prefill chunks + decodes)
 #   D        hidden size;  I  MLP intermediate size;  V  vocabulary size
-#   n_heads  query heads;  n_kv  key/value heads;  hd  head dim
+#   n_heads  query heads;  n_kv  key/value heads (a rank's share, tensor-parallel);  hd  head dim
 #   num_blocks, block_size   the paged KV pool: block_size tokens per block
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-Instruct")
@@ -90,6 +91,7 @@ class Config:
                                         "--no-prefix-caching")
     enforce_eager: bool = _flag(False, "no CUDA graphs (else on for triton attention on cuda)")
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
+    tensor_parallel_size: int = _flag(1, "GPUs the model is split over (on cpu: processes)")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
     port: int = _flag(8000, "port the server listens on")
@@ -176,8 +178,9 @@ class Config:
 
 def engine_name(key: str, cfg: Config) -> tuple[str, slice]:
     """Where a checkpoint tensor lands: (engine parameter, row slice of it)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size                                  # I
+    tp = cfg.tensor_parallel_size           # a rank holds 1/tp of each (pa.shard cuts them)
+    q, kv = cfg.num_heads * cfg.head_dim // tp, cfg.num_kv_heads * cfg.head_dim // tp
+    i = cfg.intermediate_size // tp                            # I
     fused = {"q_proj": ("qkv_proj", slice(0, q)), "k_proj": ("qkv_proj", slice(q, q + kv)),
              "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
              "gate_proj": ("gate_up_proj", slice(0, i)),
@@ -211,7 +214,7 @@ def load_weights(model: nn.Module, cfg: Config):
                 target, rows = engine_name(key, cfg)
                 if target not in params:
                     raise ValueError(f"unexpected tensor {key!r} in {path.name}")
-                tensor = f.get_tensor(key)
+                tensor = pa.shard(f.get_tensor(key), key, cfg.tensor_parallel_size)
                 params[target].data[rows].copy_(tensor)  # copy_ casts to the engine dtype
                 num_rows_loaded[target] += tensor.shape[0]
                 num_done += 1
@@ -284,7 +287,8 @@ class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv K/V heads."""
     def __init__(self, cfg: Config):
         super().__init__()
-        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tp = cfg.tensor_parallel_size       # a rank holds 1/tp of the heads (Engine core process)
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         self.split_sizes = [q_size, kv_size, kv_size]      # the rows of q, k, v in qkv_proj
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
@@ -306,19 +310,21 @@ class Attention(nn.Module):
                         rope.cos, rope.sin)
         o = self.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # (N_tok, n_heads, hd)
         return pa.linear(o.reshape(n, self.n_heads * self.hd), self.o_proj.weight,
-                         residual=residual)                    # (N_tok, D)
+                         residual=residual, all_reduce=True)   # (N_tok, D)
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
     def __init__(self, cfg: Config):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        I = cfg.intermediate_size // cfg.tensor_parallel_size     # a rank's channels
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * I, bias=False)
+        self.down_proj = nn.Linear(I, cfg.hidden_size, bias=False)
 
     def forward(self, x, norm=None, residual=None):           # (N_tok, D)
         """residual + mlp(norm(x)), norm and residual optional."""
         gate_up = pa.linear(x, self.gate_up_proj.weight, norm=norm)   # (N_tok, 2 I)
-        return pa.linear(gate_up, self.down_proj.weight, silu_mul=True, residual=residual)
+        return pa.linear(gate_up, self.down_proj.weight, silu_mul=True, residual=residual,
+                         all_reduce=True)                      # (N_tok, D)
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config):
@@ -752,6 +758,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
+        self.workers = pa.start_workers(cfg, run_worker)   # ranks 1..N-1 (Engine core process)
         self.use_cuda = self.device.type == "cuda"
         if self.device.type == "cpu":    # here, where the step loop runs, not in the server
             pa.set_cpu_threads(cfg.num_threads)
@@ -775,11 +782,12 @@ class ModelRunner:
         # Triton only: the torch attention reads lengths on the host, which no graph can capture.
         if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
             self.capture_cuda_graphs()
+        pa.start_steps(self.workers)          # every rank has run the start-up above alike
 
     # -- KV pool --
     def _bind_kv_cache(self, num_blocks: int):
-        cfg = self.cfg
-        kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, cfg.num_kv_heads,
+        cfg, n_kv = self.cfg, self.model.layers[0].attn.n_kv       # n_kv: this rank's
+        kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, n_kv,
                          cfg.head_dim, dtype=cfg.torch_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             # each (num_blocks, block_size, n_kv, hd)
@@ -787,8 +795,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> int:
         cfg = self.cfg
-        block_bytes = (2 * cfg.num_layers * cfg.block_size * cfg.num_kv_heads * cfg.head_dim
-                       * cfg.torch_dtype.itemsize)
+        block_bytes = (2 * cfg.num_layers * cfg.block_size * self.model.layers[0].attn.n_kv
+                       * cfg.head_dim * cfg.torch_dtype.itemsize)      # n_kv: this rank's
         if cfg.num_blocks:
             num_blocks = cfg.num_blocks
         elif self.use_cuda:
@@ -799,6 +807,7 @@ class ModelRunner:
             num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
         else:
             num_blocks = int(cfg.cpu_kv_cache_gb * 1e9 // block_bytes)
+        num_blocks = pa.min_over_ranks(num_blocks, self.device)   # the same pool on every rank
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens "
                              "or raise gpu_memory_utilization")
@@ -843,14 +852,21 @@ class ModelRunner:
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = self._graph_key(batch.is_decode, num_tokens)
         N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
+        self._put_input_ids(batch, input_ids, pending, prev)
+        input_ids, positions, meta = self.put_step(flat, key, N, S, width, batch.is_decode)
+        return StepInputs(input_ids, positions, meta, num_tokens, sample_rows, sample_seqs,
+                          self.graphs.get(key))
+
+    def put_step(self, flat: dict, key, N: int, S: int, width: int, is_decode: bool) -> tuple:
+        """The padded lists into the buffers, on every rank (run_worker): the model's inputs."""
+        pa.send_step(self.workers, (flat, key, N, S, width, is_decode))   # rank 0: first, the same
         for name, values in flat.items():
             pa.put(self.buffers[name], values)
-        self._put_input_ids(batch, input_ids, pending, prev)
         b = self.buffers
+        pa.broadcast_from_rank0(b["input_ids"][:N])   # rank 0's, pending tokens filled on its GPU
         meta = AttentionMetadata(b["slot_mapping"][:N], b["block_tables"][:S, :width],
-                                 b["context_lens"][:S], b["cu_seqlens_q"][:S + 1], batch.is_decode)
-        return StepInputs(b["input_ids"][:N], b["positions"][:N], meta, num_tokens,
-                          sample_rows, sample_seqs, self.graphs.get(key))
+                                 b["context_lens"][:S], b["cu_seqlens_q"][:S + 1], is_decode)
+        return b["input_ids"][:N], b["positions"][:N], meta
 
     def _flatten(self, batch: ScheduledBatch):
         """Each sequence's new tokens in turn as host lists, one per buffer; the rows that sample (a
@@ -1553,6 +1569,8 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
+        if core.runner.workers is not None:   # a worker's death ends this process, as its own
+            core.runner.workers.exit_on_death = True   # would: EngineCoreClient fails the requests
         if setup is not None:
             setup(core)
     except Exception as e:
@@ -1587,6 +1605,42 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
                 traceback.print_exc()
                 outputs += core.fail_running(e)
         sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
+
+# -- tensor parallelism: the engine core is rank 0, and run_worker runs ranks 1..N-1 --
+# With --tensor-parallel-size N the model is cut over N GPUs (gloo processes on the CPU), in
+# Megatron-LM's way. Column-parallel matmuls (q, k, v; gate, up) give each rank n_heads/N query
+# heads, n_kv/N KV heads and I/N channels: attention and SiLU-and-mul need nothing from the other
+# ranks. Row-parallel ones (o, down) multiply those by their rows of the weight, which leaves a
+# partial (N_tok, D) sum on each rank; an all-reduce adds them up, twice a layer, in pa.linear
+# (all_reduce=True), rank 0's part alone bringing the residual, so the sum counts it once. The
+# embedding, norms and LM head stay whole, so every rank holds the same residual stream; the KV
+# pool holds a rank's n_kv/N heads, with the same blocks on every rank (pa.shard cuts the weights).
+# Rank 0 alone schedules, allocates blocks, computes logits and samples: after the last all-reduce
+# every rank holds the same hidden states, so its logits would be everyone's, and sampling reads
+# host state (generators, grammars, the tokens so far) that only rank 0 keeps; workers drop theirs.
+# Each step rank 0 sends every worker put_step's arguments (a few host lists) down a pipe before its
+# own forward pass: the simplest way that works, and the pipe's EOF tells a worker that rank 0 is
+# gone. The input ids go by a device broadcast in put_step instead, queued on the stream with no
+# host sync, because a pending token (Sequence) is on rank 0's GPU only when the next step is sent.
+# Start-up (loading, the KV pool's size, CUDA graphs with their all-reduces) runs alike on every
+# rank, in the same order. How a worker's death is handled: pa.TensorParallelWorkers.
+
+def run_worker(cfg: Config, pipe):
+    """A worker's main thread (pa.start_workers starts it): rank 0's start-up, then rank 0's steps
+    through its shard of the model until the pipe closes. Its output is dropped: the all-reduces
+    have given rank 0 the same hidden states."""
+    runner = ModelRunner(cfg)
+    with torch.no_grad():
+        while True:
+            try:
+                flat, key, *shape = pipe.recv()
+            except EOFError:              # rank 0 is gone, however it went
+                return
+            inputs = runner.put_step(flat, key, *shape)   # (input_ids, positions, meta)
+            if key in runner.graphs:      # the graph of the size rank 0 replays
+                runner.graphs[key][0].replay()
+            else:
+                runner.model(*inputs)
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 class EngineCoreClient:

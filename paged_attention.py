@@ -21,6 +21,10 @@ owns in order. This file holds the kernels that touch that pool:
     GrammarMasks             grammar masks filled on the host's cores, off
                              the step loop, for apply_token_mask to apply in
                              place in one launch
+    shard, row_parallel_linear, TensorParallelWorkers
+                             tensor parallelism: a rank's cut of each weight,
+                             the all-reduce after o and down, the ranks'
+                             processes (nanoserve tells the design)
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
@@ -56,10 +60,18 @@ Dimension letters, used in every shape comment:
 
 import concurrent.futures
 import functools
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
 import os
+import signal
+import socket
+import sys
+import threading
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import triton
 import triton.language as tl
@@ -190,9 +202,12 @@ def norm(x, weight, eps):                                   # (N_tok, D)
     return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
 
 
-def linear(x, weight, norm=None, silu_mul=False, residual=None):  # (N_tok, K) -> (N_tok, N)
+def linear(x, weight, norm=None, silu_mul=False, residual=None,
+           all_reduce=False):                             # (N_tok, K) -> (N_tok, N)
     """residual + f(x) @ weight.T, f being the RMSNorm module `norm`, SiLU-and-mul
     (x = [gate, up]) or nothing, and residual optional: every matmul of a layer.
+    all_reduce: a row-parallel matmul, summed over the tensor-parallel ranks
+    (row_parallel_linear, in the tensor parallelism section).
 
     Prologue/epilogue fusion: at batch-1 decode on the GPU (GEMV_MAX_ROWS) a
     matmul is one read of the weight, and a norm, activation or add of its own
@@ -203,6 +218,8 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None):  # (N_tok, K) -
     (`norm` here is the RMSNorm module passed in, whose forward calls the
     `norm` function above; GEMV_MAX_ROWS is 1, for the reason the GEMV's
     section gives.)"""
+    if all_reduce and tensor_parallel_size() > 1:
+        return row_parallel_linear(x, weight, norm, silu_mul, residual)
     if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         return gemv(x, weight, norm_weight, eps, silu_mul, residual)
@@ -1453,6 +1470,188 @@ def apply_token_mask_triton(logits, rows, bitmask, BLOCK_WORDS=32):
         _apply_token_mask_kernel[grid](logits, rows, bitmask, logits.stride(0),
                                        bitmask.stride(0), V, BLOCK_WORDS=BLOCK_WORDS)
     return logits
+
+
+# ----------------------------------------------------------------------------
+# Tensor parallelism: the shard rule, the row-parallel all-reduce, the ranks
+# nanoserve's "Engine core process" section tells the design (what is split,
+# where the sums are, why rank 0 alone samples); here is how each piece runs.
+# The ranks form torch.distributed's default process group (NCCL between GPUs,
+# gloo between CPU processes), and a rank is its rank there: one
+# tensor-parallel engine per process.
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows cut
+ROW_PARALLEL = ("o_proj", "down_proj")                                     # input columns cut
+
+
+def tensor_parallel_rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tensor_parallel_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def shard(tensor, name, size):
+    """This rank's part of the checkpoint tensor `name` (a Hugging Face key) in a
+    model cut over `size` ranks. A column-parallel weight (N, K) keeps the rank's
+    N / size rows (its heads, or its channels of I); a row-parallel one the same
+    share of its K input columns; embeddings, norms and the LM head stay whole.
+    E.g. SmolLM2's k_proj (3 KV heads x 64 rows, 576) over 3 ranks: rank 1 keeps
+    rows 64-127, its one KV head; its o_proj (576, 9 x 64) keeps columns 192-383,
+    those of its 3 query heads."""
+    proj = name.split(".")[-2]
+    dim = 0 if proj in COLUMN_PARALLEL else 1 if proj in ROW_PARALLEL else None
+    if dim is None or size == 1:
+        return tensor
+    assert tensor.shape[dim] % size == 0, f"{name} {tuple(tensor.shape)} does not split by {size}"
+    return tensor.chunk(size, dim)[tensor_parallel_rank()]
+
+
+def row_parallel_linear(x, weight, norm, silu_mul, residual):  # (N_tok, K / size) -> (N_tok, N)
+    """linear over this rank's input columns: a partial product of the whole output,
+    then summed over the ranks in place (all-reduce), so every rank holds the whole
+    (N_tok, N). The residual joins rank 0's part only, counted once in the sum (at
+    batch 1 the GEMV still adds it in the kernel that reads the weight). In a CUDA
+    graph the all-reduce is captured like any other kernel (NCCL supports stream
+    capture), on every rank in the same graph sizes."""
+    y = linear(x, weight, norm, silu_mul, residual if dist.get_rank() == 0 else None)
+    dist.all_reduce(y)
+    return y
+
+
+def broadcast_from_rank0(t):
+    """Rank 0's t into every rank's t, in place; nothing without ranks. On the GPU
+    it is queued on the stream like a kernel: no host sync."""
+    if tensor_parallel_size() > 1:
+        dist.broadcast(t, src=0)
+    return t
+
+
+def min_over_ranks(n, device):
+    """The least of every rank's n (each rank's KV pool, sized from its own memory)."""
+    if tensor_parallel_size() == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def start_workers(cfg, run_worker):
+    """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
+    running run_worker(cfg, pipe), and join them in one process group. Returns their
+    TensorParallelWorkers; None at size 1, or on a worker (in the group already)."""
+    n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
+    if n < 1 or cfg.num_kv_heads % n or cfg.intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size {n} must divide the model's {cfg.num_heads} "
+                         f"query heads, {cfg.num_kv_heads} KV heads and MLP size "
+                         f"{cfg.intermediate_size}")
+    if n == 1 or dist.is_initialized():
+        return None
+    return TensorParallelWorkers(cfg, run_worker)
+
+
+def send_step(workers, plan):
+    """Rank 0's step plan to every worker, once all have started (start_steps)."""
+    if workers is not None and workers.started:
+        workers.send(plan)
+
+
+def start_steps(workers):
+    """From now on rank 0 sends its steps: the steps before were start-up's (profiling,
+    CUDA-graph warm-ups and captures), which every rank runs by itself, alike."""
+    if workers is not None:
+        workers.started = True
+
+
+def _backend(device):
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def _init_group(device, rank, size, port):
+    device_id = torch.device("cuda", rank) if _backend(device) == "nccl" else None
+    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, device_id=device_id)
+
+
+class TensorParallelWorkers:
+    """Rank 0's end of the other ranks: a pipe to each (send), a watchdog on their lives.
+
+    Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe
+    from rank 0 reads EOF: rank 0 gone, however it went (closed, killed), so no
+    worker outlives it. A worker that dies is seen at once by the watchdog thread,
+    which waits on the processes' sentinels. With exit_on_death (nanoserve's engine
+    core process sets it) rank 0 then exits too, and the server fails the requests
+    as for any engine-core death. Else, on the CPU, the step in flight raises (gloo
+    reports the peer gone), and so does every later send. Rank 0 exits in any case
+    on the GPU, where a collective waiting for a dead rank never returns, and during
+    start-up, which may be waiting for the dead rank to join the group."""
+
+    def __init__(self, cfg, run_worker):
+        n, backend = cfg.tensor_parallel_size, _backend(cfg.device)
+        if backend == "nccl" and torch.cuda.device_count() < n:
+            raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, "
+                             f"found {torch.cuda.device_count()}")
+        # nanoserve's engine core process is a daemon (it ends with its server), and
+        # multiprocessing lets no daemon start a process: its workers end with it by
+        # their pipes' EOF instead, so the flag can go.
+        multiprocessing.current_process().daemon = False
+        with socket.socket() as s:     # a free port for the group's rendezvous (rank 0's)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = multiprocessing.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for rank in range(1, n):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, name=f"nanoserve-tp-rank-{rank}",
+                               args=(run_worker, cfg, rank, port, reader), daemon=True)
+            proc.start()
+            reader.close()             # the worker's end, closed here: a dead worker's pipe breaks
+            self.pipes.append(writer)
+            self.procs.append(proc)
+        self.error, self.started, self.closing = "", False, False
+        self.exit_on_death = backend == "nccl"
+        # at exit, before multiprocessing ends the workers: their deaths are then no fault
+        multiprocessing.util.Finalize(self, self.close, exitpriority=100)
+        threading.Thread(target=self._watch, name="nanoserve-tp-watchdog", daemon=True).start()
+        _init_group(cfg.device, 0, n, port)
+
+    def send(self, plan):
+        if self.error:
+            raise RuntimeError(self.error)
+        for pipe in self.pipes:
+            pipe.send(plan)
+
+    def close(self):
+        self.closing = True
+        for pipe in self.pipes:        # each worker reads EOF and exits
+            pipe.close()
+
+    def _watch(self):
+        dead = multiprocessing.connection.wait([p.sentinel for p in self.procs])
+        if self.closing:
+            return
+        proc = next(p for p in self.procs if p.sentinel in dead)
+        proc.join(1)
+        self.error = f"the tensor-parallel worker {proc.name} exited (exit code {proc.exitcode})"
+        print(f"error: {self.error}", file=sys.stderr, flush=True)
+        if self.exit_on_death or not self.started:
+            os._exit(1)
+
+
+def _worker_main(run_worker, cfg, rank, port, pipe):
+    """A worker process: its signals, its GPU, its place in the group, then run_worker;
+    once that returns (rank 0 is gone), out at once: no teardown waits on a dead peer."""
+    for sig in (signal.SIGINT, signal.SIGTERM):    # as the engine core: what stops rank 0 (the
+        signal.signal(sig, signal.SIG_IGN)         # server, Ctrl-C) stops us by the pipe's EOF
+    if _backend(cfg.device) == "nccl":
+        cfg.device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    _init_group(cfg.device, rank, cfg.tensor_parallel_size, port)
+    run_worker(cfg, pipe)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------

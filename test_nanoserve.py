@@ -2329,3 +2329,174 @@ def test_sigterm_drains_the_stream_in_flight():
           f"that; the stream finished {times[-1] - sigterm_at:.2f} s after SIGTERM")
     assert late, "the stream had ended before the server refused: nothing was drained"
     wait_exited(children, 30)
+
+
+# ---------------------------------------------------------------------------
+# Tensor parallelism on the CPU: gloo between processes, the default model cut
+# over 3 ranks (9 query heads, 3 KV heads: 3 and 1 per rank). Each run is in
+# processes of its own, so this one never joins a process group; each has a
+# time limit, so a rank that hangs fails the test.
+
+TP = 3
+TP_PROMPTS = ["The capital of France is", "My favourite colour is", "def fibonacci(n):"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(target, args_of_rank, timeout=240):
+    """target(*args) in a spawned process per entry; all must exit 0 within timeout."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args) for args in args_of_rank]
+    for p in procs:
+        p.start()
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(max(1, deadline - time.time()))
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join()
+    assert not hung, f"a process hung for {timeout} s"
+    assert [p.exitcode for p in procs] == [0] * len(procs), [p.exitcode for p in procs]
+
+
+def _sharded_layer_rank(rank, port):
+    """One rank: layer 0's attention and MLP unsharded (before the group exists, so
+    pa.linear sums nothing), then sharded over TP ranks with their all-reduces;
+    every rank holds the whole output."""
+    torch.set_num_threads(1)
+    T = 40
+    x = torch.randn(T, 576, generator=torch.Generator().manual_seed(1))
+    outputs = {}
+    for tp in (1, TP):
+        if tp > 1:
+            pa._init_group("cpu", rank, tp, port)
+        cfg = Config(model=DEFAULT_MODEL, device="cpu", num_blocks=64, tensor_parallel_size=tp)
+        model = ns.build_model(cfg)
+        attn = model.layers[0].attn
+        shape = (64, 16, cfg.num_kv_heads // tp, cfg.head_dim)  # (num_blocks, block_size, n_kv, hd)
+        attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
+        with torch.no_grad():
+            outputs[tp] = (attn(x, torch.arange(T), model.rope, prefill_meta(T)),
+                           model.layers[0].mlp(x, residual=x))
+    assert_close(f"attention, rank {rank} of {TP}", outputs[TP][0], outputs[1][0], 1e-5)
+    assert_close(f"MLP + residual, rank {rank} of {TP}", outputs[TP][1], outputs[1][1], 1e-5)
+
+
+def test_tensor_parallel_layers_equal_unsharded():
+    """Attention (q/k/v column-parallel, o row-parallel + all-reduce) and the MLP
+    (gate/up column-parallel, down row-parallel + all-reduce, the residual on
+    rank 0 only) over 3 gloo ranks equal the whole layers to 1e-5."""
+    ensure_smol()
+    port = free_port()
+    run_processes(_sharded_layer_rank, [(rank, port) for rank in range(TP)])
+
+
+def _tp_generate(queue):
+    """In-process LLM at TP ranks: greedy outputs, then a worker killed mid-run."""
+    llm = ns.LLM(DEFAULT_MODEL, device="cpu", num_blocks=256, num_threads=1,
+                 tensor_parallel_size=TP)
+    greedy = ns.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    queue.put([o.token_ids for o in llm.generate(TP_PROMPTS, greedy)])
+    worker = llm.engine.runner.workers.procs[0]
+    threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+    try:
+        llm.generate(TP_PROMPTS[0], ns.SamplingParams(max_tokens=4000, ignore_eos=True))
+        queue.put("no error")
+    except Exception as e:
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def test_tensor_parallel_llm_equals_tp1_and_a_dead_worker_raises(smol_llm):
+    """LLM(tensor_parallel_size=3) in fp32 decodes greedily token for token as
+    TP=1 does; then, a worker killed mid-run, generate raises (no hang) and every
+    process exits."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    run_processes(_tp_generate, [(queue,)])
+    greedy = ns.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert queue.get(timeout=10) == [o.token_ids for o in smol_llm.generate(TP_PROMPTS, greedy)]
+    error = queue.get(timeout=10)
+    print(f"after the kill: {error}")
+    assert error != "no error"
+
+
+def test_tensor_parallel_engine_core_and_worker_death(smol_llm):
+    """Served with 3 ranks behind the engine core process: the same greedy text
+    as offline at TP=1; a worker killed mid-stream ends the stream with an error,
+    /health turns 503, and the engine core process exits."""
+    cfg = server_config(tensor_parallel_size=TP)
+    client = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(client, cfg))
+    try:
+        oai = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        text = oai.completions.create(prompt=TP_PROMPTS[0], **GREEDY_REQUEST).choices[0].text
+        greedy = ns.SamplingParams(temperature=0, max_tokens=8)
+        assert text == smol_llm.generate(TP_PROMPTS[0], greedy)[0].text
+        with open(f"/proc/{client.process.pid}/task/{client.process.pid}/children") as f:
+            workers = [int(pid) for pid in f.read().split()]
+        assert len(workers) == TP - 1, workers
+        stream = oai.completions.create(prompt="Write a long story about a dragon.", stream=True,
+                                        **{**GREEDY_REQUEST, "max_tokens": 2000},
+                                        extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(workers[0], signal.SIGKILL)
+        with pytest.raises(APIError):
+            for _ in stream:
+                pass
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+        client.process.join(30)
+        assert not client.process.is_alive()
+        wait_exited(workers, 30)
+    finally:
+        srv.stop()
+        client.shutdown()
+
+
+TP_CUDA_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(200, 290))]
+
+
+def _tp_cuda_generate(path, tp, eager, queue):
+    llm = ns.LLM(path, device="cuda", dtype="float32", tensor_parallel_size=tp, enforce_eager=eager,
+                 num_blocks=64, block_size=8, max_num_batched_tokens=48, max_num_seqs=4)
+    params = ns.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    queue.put([o.token_ids for o in llm.generate(TP_CUDA_PROMPTS, params)])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_cuda_equals_tp1(tmp_path):
+    """On two GPUs (NCCL), fp32: TP=2 with CUDA graphs (the all-reduces captured)
+    and TP=2 eager give the tokens of TP=1, on a tiny random model with 2 KV heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)).eval()
+    with torch.no_grad():   # larger weights than the default init, so outputs vary per token
+        for p in hf.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    hf.save_pretrained(str(tmp_path))
+    queue = torch.multiprocessing.get_context("spawn").Queue()
+    outs = {}
+    for tp, eager in ((1, False), (2, False), (2, True)):
+        run_processes(_tp_cuda_generate, [(str(tmp_path), tp, eager, queue)])
+        outs[tp, eager] = queue.get(timeout=10)
+    assert outs[2, False] == outs[1, False]
+    assert outs[2, True] == outs[1, False]
+
+
+def test_tensor_parallel_size_must_divide_the_heads(capsys):
+    """SmolLM2's 3 KV heads do not split over 2 ranks: a ValueError before any
+    process starts, and one line from the CLI."""
+    ensure_smol()
+    with pytest.raises(ValueError, match="must divide the model's 9 query heads, 3 KV heads"):
+        ns.LLM(DEFAULT_MODEL, device="cpu", tensor_parallel_size=2)
+    with pytest.raises(SystemExit) as e:
+        ns.main(["generate", "Hi", "--device", "cpu", "--tensor-parallel-size", "2"])
+    assert str(e.value.code).startswith("error: tensor_parallel_size 2 must divide")
+    assert "\n" not in str(e.value.code)
