@@ -13,7 +13,6 @@ Run it:
     python download.py                                  # SmolLM2-135M-Instruct
     python nanoserve.py generate "The capital of France is" --temperature 0
     python nanoserve.py serve --port 8000               # OpenAI API on 127.0.0.1
-    python nanoserve.py serve --tensor-parallel-size 2  # the model cut over two GPUs
     pytest -q test_nanoserve.py                         # checked against transformers
 
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
@@ -27,7 +26,7 @@ through Model.forward and is sampled; its token ids cross back for the FrontEnd 
 
 from __future__ import annotations
 
-import argparse, asyncio, bisect, contextlib, dataclasses, faulthandler, functools, hmac, json, math
+import argparse, asyncio, contextlib, dataclasses, faulthandler, functools, hmac, json, math
 import multiprocessing, os, queue, re, signal, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -544,7 +543,6 @@ class Sequence:
     (_put_input_ids); EngineCore._launch adds 1, _commit takes it off and appends the token (or
     drops it if the sequence ended meanwhile). A prefill chunk not the prompt's last samples
     nothing; a step with grammar rows samples later, once their masks are filled (ModelRunner)."""
-
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
@@ -758,7 +756,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
-        self.workers = pa.start_workers(cfg, run_worker)   # ranks 1..N-1 (Engine core process)
+        self.workers = pa.start_workers(cfg, ModelRunner)   # ranks 1..N-1 (Engine core process)
         self.use_cuda = self.device.type == "cuda"
         if self.device.type == "cpu":    # here, where the step loop runs, not in the server
             pa.set_cpu_threads(cfg.num_threads)
@@ -850,15 +848,14 @@ class ModelRunner:
         -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41, and widens block_tables."""
         flat, sample_rows, sample_seqs, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
-        key = self._graph_key(batch.is_decode, num_tokens)
+        key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: run eagerly
         N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
         self._put_input_ids(batch, input_ids, pending, prev)
-        input_ids, positions, meta = self.put_step(flat, key, N, S, width, batch.is_decode)
-        return StepInputs(input_ids, positions, meta, num_tokens, sample_rows, sample_seqs,
-                          self.graphs.get(key))
+        return StepInputs(*self.put_step(flat, key, N, S, width, batch.is_decode), num_tokens,
+                          sample_rows, sample_seqs, self.graphs.get(key))
 
     def put_step(self, flat: dict, key, N: int, S: int, width: int, is_decode: bool) -> tuple:
-        """The padded lists into the buffers, on every rank (run_worker): the model's inputs."""
+        """The padded lists into the buffers, on every rank (a worker too): the model's inputs."""
         pa.send_step(self.workers, (flat, key, N, S, width, is_decode))   # rank 0: first, the same
         for name, values in flat.items():
             pa.put(self.buffers[name], values)
@@ -1016,11 +1013,6 @@ class ModelRunner:
 
     # -- CUDA graphs: a decode step replays the graph of the next batch size up (decode attention),
     # a step with prompt tokens that of the next token count up (prefill attention) --
-    def _graph_key(self, is_decode: bool, num_tokens: int) -> Optional[tuple]:
-        sizes = self.graph_sizes[is_decode]
-        i = bisect.bisect_left(sizes, num_tokens)
-        return (is_decode, sizes[i]) if i < len(sizes) else None
-
     @torch.no_grad()
     def capture_cuda_graphs(self):
         S = self.cfg.max_num_seqs
@@ -1569,8 +1561,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
-        if core.runner.workers is not None:   # a worker's death ends this process, as its own
-            core.runner.workers.exit_on_death = True   # would: EngineCoreClient fails the requests
+        pa.exit_on_worker_death(core.runner.workers)   # as at our own: the server fails requests
         if setup is not None:
             setup(core)
     except Exception as e:
@@ -1606,41 +1597,19 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
                 outputs += core.fail_running(e)
         sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
 
-# -- tensor parallelism: the engine core is rank 0, and run_worker runs ranks 1..N-1 --
+# -- tensor parallelism: the engine core is rank 0, pa.start_workers runs ranks 1..N-1 --
 # With --tensor-parallel-size N the model is cut over N GPUs (gloo processes on the CPU), in
-# Megatron-LM's way. Column-parallel matmuls (q, k, v; gate, up) give each rank n_heads/N query
-# heads, n_kv/N KV heads and I/N channels: attention and SiLU-and-mul need nothing from the other
-# ranks. Row-parallel ones (o, down) multiply those by their rows of the weight, which leaves a
-# partial (N_tok, D) sum on each rank; an all-reduce adds them up, twice a layer, in pa.linear
-# (all_reduce=True), rank 0's part alone bringing the residual, so the sum counts it once. The
-# embedding, norms and LM head stay whole, so every rank holds the same residual stream; the KV
-# pool holds a rank's n_kv/N heads, with the same blocks on every rank (pa.shard cuts the weights).
-# Rank 0 alone schedules, allocates blocks, computes logits and samples: after the last all-reduce
-# every rank holds the same hidden states, so its logits would be everyone's, and sampling reads
-# host state (generators, grammars, the tokens so far) that only rank 0 keeps; workers drop theirs.
-# Each step rank 0 sends every worker put_step's arguments (a few host lists) down a pipe before its
-# own forward pass: the simplest way that works, and the pipe's EOF tells a worker that rank 0 is
-# gone. The input ids go by a device broadcast in put_step instead, queued on the stream with no
-# host sync, because a pending token (Sequence) is on rank 0's GPU only when the next step is sent.
-# Start-up (loading, the KV pool's size, CUDA graphs with their all-reduces) runs alike on every
-# rank, in the same order. How a worker's death is handled: pa.TensorParallelWorkers.
-
-def run_worker(cfg: Config, pipe):
-    """A worker's main thread (pa.start_workers starts it): rank 0's start-up, then rank 0's steps
-    through its shard of the model until the pipe closes. Its output is dropped: the all-reduces
-    have given rank 0 the same hidden states."""
-    runner = ModelRunner(cfg)
-    with torch.no_grad():
-        while True:
-            try:
-                flat, key, *shape = pipe.recv()
-            except EOFError:              # rank 0 is gone, however it went
-                return
-            inputs = runner.put_step(flat, key, *shape)   # (input_ids, positions, meta)
-            if key in runner.graphs:      # the graph of the size rank 0 replays
-                runner.graphs[key][0].replay()
-            else:
-                runner.model(*inputs)
+# Megatron-LM's way. Column-parallel matmuls (q, k, v; gate, up) keep a rank's n_heads/N query
+# heads, n_kv/N KV heads and I/N channels, so attention and SiLU-and-mul need no other rank.
+# Row-parallel ones (o, down) leave a partial (N_tok, D) sum on each rank, which an all-reduce adds
+# up, twice a layer, in pa.linear (all_reduce=True); rank 0's part alone brings the residual, so the
+# sum counts it once. The embedding, norms and LM head stay whole, so every rank holds the same
+# residual stream; its KV pool holds its n_kv/N heads, in the same blocks (pa.shard cuts weights).
+# Rank 0 alone schedules, computes logits and samples: the last all-reduce gives every rank the
+# same hidden states, and sampling reads host state (generators, grammars, tokens) only rank 0
+# keeps. Each step it pipes every worker put_step's arguments (a few host lists); the input ids
+# follow by a device broadcast, since a pending token (Sequence) is on rank 0's GPU only. Start-up
+# (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every rank.
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 class EngineCoreClient:
@@ -1790,7 +1759,6 @@ class EngineCoreClient:
 # -- request parsing (a skim on a first read): a table of each endpoint's fields (parse_fields) --
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
@@ -1859,8 +1827,7 @@ _REQUIRED = _rule(lambda v, f: v is not None, "is required")
 def _response_format(v, f) -> Optional[dict]:
     """The JSON schema that response_format asks the output to match, if any."""
     kind = (v or {}).get("type", "text")
-    known = kind in ("text", "json_object") or kind == "json_schema" and "json_schema" in v
-    if not known:
+    if not (kind in ("text", "json_object") or kind == "json_schema" and "json_schema" in v):
         raise ValueError("must be of type 'text', 'json_object' or 'json_schema' (and then have "
                          "'json_schema')")
     return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})

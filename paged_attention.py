@@ -58,6 +58,7 @@ Dimension letters, used in every shape comment:
     T           new (query) tokens of one sequence
 """
 
+import bisect
 import concurrent.futures
 import functools
 import multiprocessing
@@ -327,6 +328,14 @@ def cuda_graph_sizes(max_num_seqs, max_num_batched_tokens):
         n += 2 ** (n.bit_length() - 4)     # an eighth of the last power of two
         mixed.add(n)
     return {True: sorted(n for n in decode if n <= S), False: sorted(n for n in mixed if n <= T)}
+
+
+def graph_key(graph_sizes, is_decode, num_tokens):
+    """Which captured graph replays a step (cuda_graph_sizes' next size up): (is_decode,
+    size), or None (no graph that large, or none captured: the step runs eagerly)."""
+    sizes = graph_sizes[is_decode]
+    i = bisect.bisect_left(sizes, num_tokens)
+    return (is_decode, sizes[i]) if i < len(sizes) else None
 
 
 # ----------------------------------------------------------------------------
@@ -1537,9 +1546,10 @@ def min_over_ranks(n, device):
     return int(t.item())
 
 
-def start_workers(cfg, run_worker):
+def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
-    running run_worker(cfg, pipe), and join them in one process group. Returns their
+    that builds make_runner(cfg) (nanoserve's ModelRunner) and follows rank 0's steps
+    (_follow_steps), and join them in one process group. Returns their
     TensorParallelWorkers; None at size 1, or on a worker (in the group already)."""
     n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
     if n < 1 or cfg.num_kv_heads % n or cfg.intermediate_size % n:
@@ -1548,7 +1558,14 @@ def start_workers(cfg, run_worker):
                          f"{cfg.intermediate_size}")
     if n == 1 or dist.is_initialized():
         return None
-    return TensorParallelWorkers(cfg, run_worker)
+    return TensorParallelWorkers(cfg, make_runner)
+
+
+def exit_on_worker_death(workers):
+    """Where rank 0 is a process of its own behind a server (nanoserve's engine core):
+    a worker's death ends it, as its own would (TensorParallelWorkers)."""
+    if workers is not None:
+        workers.exit_on_death = True
 
 
 def send_step(workers, plan):
@@ -1580,14 +1597,14 @@ class TensorParallelWorkers:
     Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe
     from rank 0 reads EOF: rank 0 gone, however it went (closed, killed), so no
     worker outlives it. A worker that dies is seen at once by the watchdog thread,
-    which waits on the processes' sentinels. With exit_on_death (nanoserve's engine
-    core process sets it) rank 0 then exits too, and the server fails the requests
-    as for any engine-core death. Else, on the CPU, the step in flight raises (gloo
-    reports the peer gone), and so does every later send. Rank 0 exits in any case
-    on the GPU, where a collective waiting for a dead rank never returns, and during
-    start-up, which may be waiting for the dead rank to join the group."""
+    which waits on the processes' sentinels. Rank 0 then exits too (exit_on_death)
+    in nanoserve's engine core process (exit_on_worker_death), whose server then
+    fails the requests as for any engine-core death; on the GPU, where a collective
+    waiting for a dead rank never returns; and during start-up, which may be waiting
+    for the dead rank to join the group. Else (LLM on the CPU) the step in flight
+    raises instead (gloo reports the peer gone), and so does every later send."""
 
-    def __init__(self, cfg, run_worker):
+    def __init__(self, cfg, make_runner):
         n, backend = cfg.tensor_parallel_size, _backend(cfg.device)
         if backend == "nccl" and torch.cuda.device_count() < n:
             raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, "
@@ -1604,7 +1621,7 @@ class TensorParallelWorkers:
         for rank in range(1, n):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main, name=f"nanoserve-tp-rank-{rank}",
-                               args=(run_worker, cfg, rank, port, reader), daemon=True)
+                               args=(make_runner, cfg, rank, port, reader), daemon=True)
             proc.start()
             reader.close()             # the worker's end, closed here: a dead worker's pipe breaks
             self.pipes.append(writer)
@@ -1639,16 +1656,36 @@ class TensorParallelWorkers:
             os._exit(1)
 
 
-def _worker_main(run_worker, cfg, rank, port, pipe):
-    """A worker process: its signals, its GPU, its place in the group, then run_worker;
-    once that returns (rank 0 is gone), out at once: no teardown waits on a dead peer."""
+def _follow_steps(runner, pipe):
+    """A worker's main loop, once its runner has run the same start-up as rank 0's
+    (loading, the KV pool's size, CUDA graphs): each step rank 0 sends (put_step's
+    arguments) through this rank's shard of the model, until the pipe closes. Its
+    output is dropped: the all-reduces have given rank 0 the same hidden states."""
+    with torch.no_grad():
+        while True:
+            try:
+                plan = pipe.recv()
+            except EOFError:              # rank 0 is gone, however it went
+                return
+            inputs = runner.put_step(*plan)   # (input_ids, positions, meta)
+            graph = runner.graphs.get(plan[1])    # the graph of the size rank 0 replays
+            if graph is not None:
+                graph[0].replay()
+            else:
+                runner.model(*inputs)
+
+
+def _worker_main(make_runner, cfg, rank, port, pipe):
+    """A worker process: its signals, its GPU, its place in the group, then rank 0's
+    start-up and steps; once the pipe closes (rank 0 is gone), out at once: no
+    teardown waits on a dead peer."""
     for sig in (signal.SIGINT, signal.SIGTERM):    # as the engine core: what stops rank 0 (the
         signal.signal(sig, signal.SIG_IGN)         # server, Ctrl-C) stops us by the pipe's EOF
     if _backend(cfg.device) == "nccl":
         cfg.device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
     _init_group(cfg.device, rank, cfg.tensor_parallel_size, port)
-    run_worker(cfg, pipe)
+    _follow_steps(make_runner(cfg), pipe)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
