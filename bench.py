@@ -1349,12 +1349,104 @@ def int_list(s):
     return [int(x) for x in s.split(",")]
 
 
+# -- tp: tensor parallelism, TP=1 against TP=N --
+# torch.distributed's group belongs to the process, so each engine runs in a child process
+# (`bench.py tp --part offline|serve --tensor-parallel-size N`) that prints one line
+# "RESULT {json}" per figure; the parent runs the children in turn and prints the table.
+
+def _tp_result(args, **numbers):
+    print("RESULT " + json.dumps({"tp": args.tensor_parallel_size or 1, **numbers}), flush=True)
+
+
+def _tp_offline(args, model_dir):
+    """Batch-1 decode (best of two, and the GB/s one rank reads a step), then offline throughput."""
+    shape, rng = model_shape(model_dir, args.torch_dtype), random.Random(0)
+    llm = make_llm(args, model_dir)
+    nanoserve_generate(llm, random_prompts(rng, shape.vocab_size, [32, 48]), 8)  # warm-up
+    prompt = random_prompts(random.Random(1), shape.vocab_size, [128])
+    tok_s = []
+    for _ in range(2):
+        o = nanoserve_generate(llm, prompt, args.decode_len)[0]
+        tok_s.append((len(o.token_ids) - 1) / (o.finish_time - o.first_token_time))
+    _tp_result(args, what="decode B=1 tok/s", value=max(tok_s), tokens=o.token_ids[:64])
+    tp, ctx = args.tensor_parallel_size or 1, 128 + args.decode_len / 2
+    step_bytes = ((shape.num_layer_params / tp + shape.vocab_size * shape.hidden_size) * shape.dtype_bytes
+                  + ctx * shape.kv_bytes_per_token / tp)   # a rank's layers, the whole LM head
+    _tp_result(args, what="decode B=1 GB/s read per GPU (weights + KV)", value=step_bytes * max(tok_s) / 1e9)
+    least = min(100, args.max_output)
+    lengths = [(rng.randint(100, 1024), rng.randint(least, args.max_output)) for _ in range(args.num_seqs)]
+    prompts = random_prompts(rng, shape.vocab_size, [n for n, _ in lengths])
+    seconds, outs = timed(lambda: nanoserve_generate(llm, prompts, [n for _, n in lengths]), args.device)
+    _tp_result(args, what=f"offline {len(prompts)} seqs in 100-1024 out {least}-{args.max_output}, "
+               "output tok/s", value=sum(len(o.token_ids) for o in outs) / seconds)
+
+
+def _tp_serve(args, model_dir):
+    """The server at each rate (inf: every request at once), greedy, streamed."""
+    shape = model_shape(model_dir, args.torch_dtype)
+    log_path = Path(args.out_dir) / f"serve_tp{args.tensor_parallel_size or 1}.log"
+    proc, url = start_server(args, model_dir, log_path)
+    try:
+        name = wait_healthy(proc, url, log_path, 300)
+
+        def payloads(seed, n):
+            return [{"model": name, "prompt": p, "max_tokens": args.output_len, "temperature": 0.0,
+                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                    for p in random_prompts(random.Random(seed), shape.vocab_size, [args.input_len] * n)]
+        asyncio.run(closed_loop(url, payloads(10_000, 4), 2))  # warm-up
+        for i, rate in enumerate(args.rates):
+            results, seconds = asyncio.run(open_loop(url, payloads(i, args.num_requests), rate, i))
+            numbers, _ = summarize_serve(f"tp {args.tensor_parallel_size or 1} rate {rate}", results,
+                                         seconds, args.output_len)
+            _tp_result(args, what=f"serve {rate:g}/s", **numbers)
+    finally:
+        stop_server(proc)
+
+
+def tensor_parallel(args, model_dir, hw):
+    """Tensor parallelism: TP=1 against TP=N, batch-1 decode, offline and served, in turns."""
+    if args.part:                     # a child: one engine, one part
+        return {"offline": _tp_offline, "serve": _tp_serve}[args.part](args, model_dir)
+    rows = {}                         # what -> {tp: numbers}
+    for part in ("offline", "serve"):
+        for n in args.tp_sizes:
+            cmd = [sys.executable, str(REPO_DIR / "bench.py"), *sys.argv[1:], "--part", part,
+                   "--tensor-parallel-size", str(n), "--model", str(model_dir)]
+            log(f"{part}, tensor_parallel_size {n}")
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout)
+            for line in done.stdout.splitlines():
+                if line.startswith("RESULT "):
+                    r = json.loads(line[7:])
+                    rows.setdefault(r["what"], {})[r["tp"]] = r
+            if done.returncode:
+                log(f"{part} at TP={n} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+    base = args.tp_sizes[0]
+    print(f"\n{'setting':<58} " + " ".join(f"{'TP=%d' % n:>9}" for n in args.tp_sizes) + f" {'ratio':>7}")
+    for what, by_tp in rows.items():
+        keys = ["value"] if "value" in next(iter(by_tp.values())) else \
+            ["output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "num_failed"]
+        for k in keys:
+            values = [by_tp.get(n, {}).get(k) for n in args.tp_sizes]
+            ratio = f"{values[-1] / values[0]:7.2f}" if values[0] and values[-1] else ""
+            cells = " ".join(f"{'-' if v is None else round(v, 1)!s:>9}" for v in values)
+            print(f"{what if k == 'value' else f'{what}: {k}':<58} {cells} {ratio}")
+    decode = rows.get("decode B=1 tok/s", {})
+    first = [decode.get(n, {}).get("tokens") for n in (base, args.tp_sizes[-1])]
+    if all(first):
+        same = next((i for i, (x, y) in enumerate(zip(*first)) if x != y), len(first[0]))
+        print(f"batch-1 greedy tokens: TP={args.tp_sizes[-1]} equals TP={base} for the first {same} "
+              f"of {len(first[0])} (in bf16 the sums' order differs, and a tie may fall either way)")
+    plot_bars({f"TP={n}": rows.get(next((w for w in rows if w.startswith("offline")), ""), {})
+               .get(n, {}).get("value", 0) for n in args.tp_sizes}, "output tokens/s",
+              "Offline throughput by tensor-parallel size", args.out_dir, "tensor_parallel.png")
+
+
 def rate_list(s):
     return [math.inf if x.strip() in ("inf", "infinity") else float(x) for x in s.split(",")]
 
 
 MODES = {"throughput": throughput, "latency": latency, "serve": serve, "kernel": kernel, "prefix": prefix,
-         "structured": structured}
+         "structured": structured, "tp": tensor_parallel}
 
 # Sizes of each mode: (flag, type, GPU default, CPU default, help).
 SIZE_FLAGS = {
@@ -1400,6 +1492,17 @@ SIZE_FLAGS = {
          "shares of the requests in tool_choice auto, comma-separated"),
         ("tokenizer", str, None, None, "folder whose tokenizer and vocabulary a random model takes "
                                        "(the grammar needs real tokens)")],
+    "tp": [
+        ("tp_sizes", int_list, [1, 2], [1, 2], "tensor-parallel sizes, the first the baseline"),
+        ("part", str, None, None, "offline or serve: run that part in this process (a child's)"),
+        ("part_timeout", float, 150.0, 300.0, "seconds for each child"),
+        ("decode_len", int, 128, 16, "new tokens of the batch-1 decode"),
+        ("num_seqs", int, 64, 4, "offline requests"),
+        ("max_output", int, 256, 8, "most output tokens of an offline request"),
+        ("rates", rate_list, [32.0, math.inf], [8.0, math.inf], "requests/s of the server"),
+        ("num_requests", int, 128, 4, "requests per rate"),
+        ("input_len", int, 512, 16, "prompt tokens of a served request"),
+        ("output_len", int, 64, 8, "output tokens of a served request")],
 }
 
 
