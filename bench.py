@@ -53,6 +53,7 @@ mean nothing):
     python bench.py latency --device cpu --random tiny
     python bench.py serve --device cpu --random tiny
     python bench.py prefix --device cpu --random tiny
+    python bench.py tp --device cpu --random tiny
     python bench.py structured --device cpu --model weights/SmolLM2-135M-Instruct
     TRITON_INTERPRET=1 python bench.py kernel --device cpu
 
@@ -1407,7 +1408,7 @@ def tensor_parallel(args, model_dir, hw):
     """Tensor parallelism: TP=1 against TP=N, batch-1 decode, offline and served, in turns."""
     if args.part:                     # a child: one engine, one part
         return {"offline": _tp_offline, "serve": _tp_serve}[args.part](args, model_dir)
-    rows = {}                         # what -> {tp: numbers}
+    rows, failed = {}, []             # what -> {tp: numbers}; the children that failed
     for part in ("offline", "serve"):
         for n in args.tp_sizes:
             cmd = [sys.executable, str(REPO_DIR / "bench.py"), *sys.argv[1:], "--part", part,
@@ -1420,6 +1421,7 @@ def tensor_parallel(args, model_dir, hw):
                     rows.setdefault(r["what"], {})[r["tp"]] = r
             if done.returncode:
                 log(f"{part} at TP={n} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+                failed.append(f"{part} at TP={n}")
     base = args.tp_sizes[0]
     print(f"\n{'setting':<58} " + " ".join(f"{'TP=%d' % n:>9}" for n in args.tp_sizes) + f" {'ratio':>7}")
     for what, by_tp in rows.items():
@@ -1439,6 +1441,8 @@ def tensor_parallel(args, model_dir, hw):
     plot_bars({f"TP={n}": rows.get(next((w for w in rows if w.startswith("offline")), ""), {})
                .get(n, {}).get("value", 0) for n in args.tp_sizes}, "output tokens/s",
               "Offline throughput by tensor-parallel size", args.out_dir, "tensor_parallel.png")
+    if failed:
+        raise RuntimeError(f"failed: {', '.join(failed)}")
 
 
 def rate_list(s):
