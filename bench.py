@@ -335,6 +335,7 @@ class ModelShape:
     num_kv_heads: int      # n_kv
     head_dim: int          # hd
     dtype_bytes: int       # of the weights and the KV cache as run
+    layer_weight_bytes: int  # of a decoder layer's weights as run: 1 with --quantization fp8
 
     @property
     def kv_bytes_per_token(self):  # K and V of every layer
@@ -343,17 +344,18 @@ class ModelShape:
     def decode_step_bytes(self, B, ctx):
         """Least bytes one decode step must read: every weight once (a tied
         embedding as the lm_head), plus the KV of B sequences at mean context ctx."""
-        weights = (self.num_params - self.num_lookup_params) * self.dtype_bytes
+        weights = ((self.num_params - self.num_lookup_params - self.num_layer_params) * self.dtype_bytes
+                   + self.num_layer_params * self.layer_weight_bytes)
         return weights + B * ctx * self.kv_bytes_per_token
 
     def gemv_bytes(self):
         """Weight bytes of each matmul of a decode step, in launch order: the
         four of every layer, then the LM head."""
-        D, hd = self.hidden_size, self.head_dim
-        return {"qkv": (self.num_heads + 2 * self.num_kv_heads) * hd * D * self.dtype_bytes,
-                "o": D * self.num_heads * hd * self.dtype_bytes,
-                "gate_up": 2 * self.intermediate_size * D * self.dtype_bytes,
-                "down": D * self.intermediate_size * self.dtype_bytes,
+        D, hd, w = self.hidden_size, self.head_dim, self.layer_weight_bytes
+        return {"qkv": (self.num_heads + 2 * self.num_kv_heads) * hd * D * w,
+                "o": D * self.num_heads * hd * w,
+                "gate_up": 2 * self.intermediate_size * D * w,
+                "down": D * self.intermediate_size * w,
                 "LM head": self.vocab_size * D * self.dtype_bytes}
 
     def prefill_flops(self, T):
@@ -370,7 +372,7 @@ class ModelShape:
         return 2 * self.num_layer_params * num_prompt_tokens + per_output * num_output_tokens
 
 
-def model_shape(model_dir, dtype):
+def model_shape(model_dir, dtype, quantization=None):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):  # shapes without memory
@@ -384,7 +386,7 @@ def model_shape(model_dir, dtype):
         intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
         num_heads=n_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
-        dtype_bytes=dtype.itemsize)
+        dtype_bytes=dtype.itemsize, layer_weight_bytes=1 if quantization == "fp8" else dtype.itemsize)
 
 
 def load_hf_model(model_dir, args):
@@ -405,7 +407,7 @@ def random_prompts(rng, vocab_size, lengths):
 
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "attention",
-                "enforce_eager", "tensor_parallel_size")  # passed to nanoserve only when set
+                "enforce_eager", "tensor_parallel_size", "quantization")  # passed to nanoserve only when set
 
 
 def make_llm(args, model_dir, **overrides):
@@ -552,7 +554,7 @@ DEFAULT_SYSTEMS = {
 
 def throughput(args, model_dir, hw):
     """Offline throughput of many random requests, against the baselines."""
-    shape = model_shape(model_dir, args.torch_dtype)
+    shape = model_shape(model_dir, args.torch_dtype, args.quantization)
     rng = random.Random(0)
     lengths = [(rng.randint(args.min_input, args.max_input), rng.randint(args.min_output, args.max_output))
                for _ in range(args.num_seqs)]
@@ -800,7 +802,7 @@ def latency_cpu_workloads(args, model_dir, shape, hw, rng):
 
 def latency(args, model_dir, hw):
     """Batch-1 decode, prefill, decode tok/s as the batch grows; on cpu, whole requests too."""
-    shape = model_shape(model_dir, args.torch_dtype)
+    shape = model_shape(model_dir, args.torch_dtype, args.quantization)
     log(f"{shape.num_params / 1e6:.1f} M parameters, {shape.kv_bytes_per_token} KV bytes per token")
     curves = {}
     for system, fn in (("nanoserve", latency_nanoserve), ("transformers-generate", latency_transformers)):
@@ -1526,6 +1528,8 @@ def parse_args(argv=None):
         g.add_argument("--" + name.replace("_", "-"), type=int)
     g.add_argument("--attention", choices=["triton", "sdpa", "torch"])
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument("--quantization", choices=["fp8"], help="fp8 weights (nanoserve only; GB/s count "
+                                                           "the bytes read: 1 per layer weight)")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

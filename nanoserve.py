@@ -6,8 +6,9 @@ continuous-batching scheduler that mixes chunked prefills and decodes in one ste
 with grammars for structured output, CUDA graphs for every step, and an OpenAI-compatible HTTP
 server with SSE streaming. The paged-attention kernels live next door in paged_attention.py.
 
-Left out on purpose: pipeline parallelism, quantization, speculative decoding,
-LoRA, beam search, multimodal inputs and every model family but Llama.
+Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
+no int4, no checkpoint stored quantized), speculative decoding, LoRA, beam search, multimodal
+inputs and every model family but Llama.
 
 Run it:
     python download.py                                  # SmolLM2-135M-Instruct
@@ -91,6 +92,8 @@ class Config:
     enforce_eager: bool = _flag(False, "no CUDA graphs (else on for triton attention on cuda)")
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     tensor_parallel_size: int = _flag(1, "GPUs the model is split over (on cpu: processes)")
+    quantization: Optional[str] = _flag(None, "fp8: the layers' weights in fp8 e4m3, a scale per "
+                                              "output channel, quantized at load (build_model)")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
     port: int = _flag(8000, "port the server listens on")
@@ -132,6 +135,11 @@ class Config:
     def _read_model_config(self, c: dict):
         if c.get("model_type", "llama") != "llama":
             raise ValueError(f"model_type {c.get('model_type')!r} is not supported (Llama only)")
+        if "quantization_config" in c:      # its bytes are not bf16: never load them as such
+            q = c["quantization_config"]
+            raise ValueError(f"checkpoint stored quantized ({q.get('quant_method')}, format "
+                             f"{q.get('format')!r}) is not supported: load its bf16 original, "
+                             f"with --quantization fp8 for fp8 weights")
         self.vocab_size, self.hidden_size = c["vocab_size"], c["hidden_size"]
         self.intermediate_size, self.num_layers = c["intermediate_size"], c["num_hidden_layers"]
         self.num_heads = c["num_attention_heads"]
@@ -161,12 +169,17 @@ class Config:
                              "so that every running sequence can decode in one step")
         for name, allowed in [("attention", ("triton", "sdpa", "torch")),
                               ("dtype", ("float32", "bfloat16", "float16")),
-                              ("tool_call_parser", ("auto", "hermes", "llama3"))]:
+                              ("tool_call_parser", ("auto", "hermes", "llama3")),
+                              ("quantization", (None, "fp8"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.attention == "triton" and not self.device.startswith("cuda") \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
+        if self.quantization and self.device.startswith("cuda") and \
+                torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError("quantization fp8 needs fp8 tensor cores (compute capability 8.9 "
+                             "or above: Ada, Hopper); run this GPU without it")
 
     torch_dtype = property(lambda self: getattr(torch, self.dtype))
 
@@ -372,6 +385,10 @@ def build_model(cfg: Config) -> Model:
     model = model.to(cfg.torch_dtype).to_empty(device=cfg.device)  # memory, not values
     model.rope = RotaryEmbedding(cfg).to(cfg.device)           # buffers were meta; recompute
     load_weights(model, cfg)
+    if cfg.quantization == "fp8":    # fp8: the layers' matmuls, not the LM head (pa.quantize_fp8)
+        for module in model.layers.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = pa.quantize_fp8(module.weight)   # (N, K) e4m3, .scale (N,)
     return model.eval()
 
 # ---------------------------------------------------------------------------

@@ -14,6 +14,10 @@ owns in order. This file holds the kernels that touch that pool:
                              also serves chunked prefill and decode rows
     rope_store_kvcache       RoPE on q and k fused into store_kvcache
     rms_norm, silu_and_mul   the layers' elementwise steps, one launch each
+    quantize_fp8, quantize_rows
+                             fp8 weights: e4m3 with a scale per output
+                             channel, and a batch's activations quantized per
+                             token for torch._scaled_mm (linear chooses)
     norm, linear, ATTENTION  which of these (or of the torch versions) the
                              engine calls: norm and linear chosen in the
                              first section with the sampler's argmax_rows and
@@ -178,14 +182,15 @@ def silu_and_mul_ref(x):
     return (F.silu(gate) * up).to(x.dtype)
 
 
-def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None):
+def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, scale=None):
     """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
-    SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding."""
+    SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding.
+    scale: weight is e4m3 with these row scales (linear_fp8_ref)."""
     if silu_mul:
         x = silu_and_mul_ref(x)
     if norm_weight is not None:
         x = rms_norm_ref(x, norm_weight, eps)
-    y = F.linear(x, weight)
+    y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
@@ -218,15 +223,30 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None,
     its own takes 11. Larger batches take cuBLAS and the elementwise kernels.
     (`norm` here is the RMSNorm module passed in, whose forward calls the
     `norm` function above; GEMV_MAX_ROWS is 1, for the reason the GEMV's
-    section gives.)"""
+    section gives.)
+
+    fp8 weights (quantize_fp8: e4m3 with a `scale` per output row) halve the
+    bytes a decode step reads. Batch 1 takes the same GEMV, which widens each
+    weight to fp32 as it streams in. Larger batches on the GPU take the fp8
+    tensor cores (torch._scaled_mm): x is quantized too, one scale per token
+    (per row), in one launch that also applies f (quantize_rows), and
+    _scaled_mm multiplies by both scales on its way out. The CPU, and dtypes
+    other than bf16, compute with the weights widened (linear_fp8_ref)."""
     if all_reduce and tensor_parallel_size() > 1:
         return row_parallel_linear(x, weight, norm, silu_mul, residual)
+    norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+    scale = weight.scale if weight.dtype == FP8 else None   # (N,) fp32, fp8 weights only
     if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
-        norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        return gemv(x, weight, norm_weight, eps, silu_mul, residual)
+        return gemv(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
+    if scale is not None and x.is_cuda and x.dtype == torch.bfloat16:
+        xq, x_scale = quantize_rows(x, norm_weight, eps, silu_mul)   # (N_tok, K) e4m3, (N_tok, 1)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale[None],
+                             out_dtype=x.dtype)                      # (N_tok, N)
+        return y if residual is None else residual + y
     if silu_mul:
         x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
-    y = F.linear(x if norm is None else norm(x), weight)   # (N_tok, N)
+    x = x if norm is None else norm(x)
+    y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)  # (N_tok, N)
     return y if residual is None else residual + y
 
 
@@ -978,10 +998,11 @@ GEMV_MAX_ROWS = 1
 @triton.jit
 def _gemv_kernel(
     x_ptr,       # (M, K) input rows; (M, 2 K), gate then up, when SILU_MUL
-    w_ptr,       # (N, K) weight, rows contiguous as nn.Linear stores it
+    w_ptr,       # (N, K) weight, rows contiguous as nn.Linear stores it (or e4m3: SCALE)
     out_ptr,     # (M, N) result
     norm_w_ptr,  # (K,) RMSNorm weight, read only when NORM
     res_ptr,     # (M, N) residual added to the result, read only when RESIDUAL
+    scale_ptr,   # (N,) fp32 scale of each e4m3 weight row, read only when SCALE
     part_ptr,    # (M, SPLIT_K, N) fp32 partial sums of the K splits (scratch)
     counts_ptr,  # (M * cdiv(N, BLOCK_N),) int32 splits finished per tile, 0 between launches
     N,           # output features
@@ -998,6 +1019,7 @@ def _gemv_kernel(
     NORM_BLOCK: tl.constexpr,  # columns of x per step of the norm's first pass
     SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
     RESIDUAL: tl.constexpr,  # out = residual + x W^T
+    SCALE: tl.constexpr,     # fp8 weights: out = (x W^T) * scale, per output feature
     PDL: tl.constexpr,       # launched with programmatic dependent launch (USE_PDL)
 ):
     """Program (m, tile, split) computes out[m, tile * BLOCK_N : (tile + 1) * BLOCK_N]
@@ -1019,8 +1041,8 @@ def _gemv_kernel(
     Rounding follows the unfused layers: RMSNorm computes x / rms in fp32,
     rounds to x's dtype, then multiplies by its weight in that dtype;
     SiLU-and-mul computes in fp32 and rounds once; the residual is added to
-    the rounded product. Memory traffic: N * K weights, plus M * (K + N) and
-    the partials, 2 * M * SPLIT_K * N fp32.
+    the rounded product. Memory traffic: N * K weights (bytes: 2 in bf16, 1 in
+    fp8), plus M * (K + N) and the partials, 2 * M * SPLIT_K * N fp32.
     """
     tl.static_assert(not (NORM and SILU_MUL), "one prologue at a time")
     m = tl.program_id(0)
@@ -1029,7 +1051,7 @@ def _gemv_kernel(
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     x_row = x_ptr + m * stride_xm
-    dtype = w_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty  # of x and out; the weight's too unless fp8
 
     # This split's run of K, and its first weight tile, requested at once so
     # that its latency overlaps the norm's first pass. Then prefetching: each
@@ -1088,6 +1110,8 @@ def _gemv_kernel(
         for s in range(SPLIT_K):  # ".cg": read the other SMs' partials from L2, not a stale L1
             y += tl.load(part_ptr + (m * SPLIT_K + s) * N + offs_n, mask=mask_n, cache_modifier=".cg")
 
+    if SCALE:  # fp8 weights: the row's scale, once per output rather than per weight
+        y *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
     y = y.to(dtype)
     if RESIDUAL:
         r = tl.load(res_ptr + m * stride_rm + offs_n, mask=mask_n)
@@ -1114,12 +1138,29 @@ def _gemv_config(N, K):
     return 8, 1024, 1, 8  # o
 
 
-def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None):
-    """gemv_ref in one launch, meant for a few rows (see GEMV_MAX_ROWS). No host sync."""
+# The same for e4m3 weights, from a sweep on an H100 (each matrix alone, in a
+# CUDA graph of launches over weights larger than L2, Llama-3.1-8B's and
+# Llama-3.2-1B's shapes). Rows of 8 give enough programs to fill the GPU
+# without split-K, and 512 to 1024 one-byte columns keep 16-byte loads.
+# Multiplying on the tensor cores instead (weights widened to fp16, x in a
+# 16-column tile) was slower at every shape.
+def _gemv_config_fp8(N, K):
+    if N > K:           # qkv, gate_up
+        return (8, 512, 1, 4) if N > 8192 else (8, 1024, 1, 8)
+    if N == K:          # o
+        return (8, 512, 1, 4) if K >= 4096 else (8, 1024, 1, 4)
+    return 8, 1024, 1, 4  # down
+
+
+def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None,
+         scale=None):
+    """gemv_ref in one launch, meant for a few rows (see GEMV_MAX_ROWS). No host sync.
+    scale: the (N,) fp32 row scales of an e4m3 weight (quantize_fp8)."""
     M, K_in = x.shape
     N, K = weight.shape
     assert K_in == (2 * K if silu_mul else K), f"x has {K_in} features, weight {K}"
-    assert x.dtype == weight.dtype and x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.dtype == weight.dtype if scale is None else (weight.dtype == FP8 and scale.shape == (N,))
     assert norm_weight is None or (norm_weight.shape == (K,) and norm_weight.is_contiguous())
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     assert out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1
@@ -1127,7 +1168,7 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         assert residual.shape == out.shape and residual.dtype == x.dtype and residual.stride(1) == 1
     if M == 0:
         return out
-    BLOCK_N, BLOCK_K, SPLIT_K, num_warps = _gemv_config(N, K)
+    BLOCK_N, BLOCK_K, SPLIT_K, num_warps = (_gemv_config if scale is None else _gemv_config_fp8)(N, K)
     BLOCK_K = min(BLOCK_K, max(16, triton.next_power_of_2(K)))
     SPLIT_K = min(SPLIT_K, triton.cdiv(K, BLOCK_K))
     grid = (M, triton.cdiv(N, BLOCK_N), SPLIT_K)
@@ -1137,15 +1178,113 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         x, weight, out,
         weight if norm_weight is None else norm_weight,  # never read without NORM
         out if residual is None else residual,           # never read without RESIDUAL
+        out if scale is None else scale,                 # never read without SCALE
         part, _split_k_counts(x.device),                 # never touched without SPLIT_K > 1
         N, K, eps, x.stride(0), weight.stride(0), out.stride(0),
         out.stride(0) if residual is None else residual.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, NORM=norm_weight is not None,
         NORM_BLOCK=min(4096, max(16, triton.next_power_of_2(K))),
-        SILU_MUL=silu_mul, RESIDUAL=residual is not None, PDL=USE_PDL, num_warps=num_warps,
+        SILU_MUL=silu_mul, RESIDUAL=residual is not None, SCALE=scale is not None, PDL=USE_PDL,
+        num_warps=num_warps,
         **PDL_LAUNCH,
     )
     return out
+
+
+# ----------------------------------------------------------------------------
+# fp8 weights (quantization="fp8")
+# e4m3 (4 exponent bits, 3 mantissa bits, largest value 448) keeps a relative
+# error of at most 1/16 per weight over a wide range. e5m2 would trade a
+# mantissa bit for range that a scaled row does not need. Each output channel
+# (row of W) has its own fp32 scale, its largest magnitude over 448, so one
+# row with large weights does not cost the others their precision. The scale
+# factors out of each output, y[n] = scale[n] * sum_k x[k] q[n, k], so a
+# kernel multiplies by it once per output, not once per weight. Weights are
+# quantized once, at load, after tensor parallelism's shard: each rank's
+# scales are those of its own slice. Which kernel runs: pa.linear.
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0   # the largest finite e4m3 value
+
+
+def _to_fp8(t):                                       # (R, C) -> (R, C) e4m3, (R, 1) fp32
+    """Each row scaled so that its largest magnitude is FP8_MAX, rounded to nearest."""
+    scale = t.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (t.float() / scale).to(FP8), scale
+
+
+@torch.no_grad()    # else the scales' autograd graph keeps an fp32 copy of every weight
+def quantize_fp8(weight):                             # (N, K) -> (N, K) e4m3
+    """A weight as an e4m3 Parameter with its (N,) fp32 row scales as `.scale`,
+    an attribute on the parameter as vLLM's loaders set them."""
+    q, scale = _to_fp8(weight)
+    param = torch.nn.Parameter(q, requires_grad=False)
+    param.scale = scale[:, 0].contiguous()
+    return param
+
+
+def linear_fp8_ref(x, weight, scale):                 # (N_tok, K), (N, K) e4m3, (N,) fp32
+    """x @ (scale * weight)^T, computed as the kernels do: in fp32, scaled per output."""
+    return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
+
+
+def quantize_rows_ref(x, norm_weight=None, eps=0.0, silu_mul=False):  # (M, K) -> (M, K) e4m3, (M, 1)
+    """f(x), f being SiLU-and-mul or RMSNorm (as in gemv_ref), quantized per row (per token)."""
+    if silu_mul:
+        x = silu_and_mul_ref(x)
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    return _to_fp8(x)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,       # (M, K) input rows; (M, 2 K), gate then up, when SILU_MUL
+    norm_w_ptr,  # (K,) RMSNorm weight, read only when NORM
+    q_ptr,       # (M, K) e4m3 result
+    scale_ptr,   # (M,) fp32 scale of each row
+    K,           # features
+    eps,         # RMSNorm epsilon
+    stride_xm,   # x stride between rows
+    BLOCK_K: tl.constexpr,   # >= K: one program holds its whole row
+    NORM: tl.constexpr,      # x -> norm_w * RMSNorm(x)
+    SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
+):
+    """Program m: row m through the prologue (rounded as gemv's), then its absmax
+    scale and its e4m3 values. Reads M * K (2 M * K with SILU_MUL), writes M * K bytes."""
+    m = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask = offs_k < K
+    x_row = x_ptr + m * stride_xm
+    dtype = x_ptr.dtype.element_ty
+    if SILU_MUL:
+        gate = tl.load(x_row + offs_k, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + K + offs_k, mask=mask, other=0.0).to(tl.float32)
+        a = (gate * tl.sigmoid(gate) * up).to(dtype)
+    else:
+        a = tl.load(x_row + offs_k, mask=mask, other=0.0)
+    if NORM:
+        h = a.to(tl.float32)
+        h = (h * tl.rsqrt(tl.sum(h * h, 0) / K + eps)).to(dtype)
+        a = tl.load(norm_w_ptr + offs_k, mask=mask, other=0.0) * h
+    a = a.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(a), 0), 1e-12) / 448.0
+    tl.store(q_ptr + m * K + offs_k, (a / scale).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + m, scale)
+
+
+def quantize_rows(x, norm_weight=None, eps=0.0, silu_mul=False):  # (M, K) -> (M, K) e4m3, (M, 1)
+    """quantize_rows_ref in one launch: the activations of a fp8 matmul, a scale per token."""
+    M, K = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
+    assert x.stride(1) == 1 and (norm_weight is None or norm_weight.shape == (K,))
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    BLOCK_K = triton.next_power_of_2(K)
+    _quantize_rows_kernel[(M,)](
+        x, x if norm_weight is None else norm_weight, q, scale, K, eps, x.stride(0),
+        BLOCK_K=BLOCK_K, NORM=norm_weight is not None, SILU_MUL=silu_mul,
+        num_warps=max(4, min(16, BLOCK_K // 1024)))
+    return q, scale
 
 
 # ----------------------------------------------------------------------------
