@@ -25,6 +25,7 @@ owns in order. This file holds the kernels that touch that pool:
                              tensor parallelism: a rank's cut of each weight,
                              the all-reduce after o and down, the ranks'
                              processes (nanoserve tells the design)
+    NgramIndex               speculative decoding's drafts by prompt lookup
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
@@ -1689,6 +1690,43 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# ----------------------------------------------------------------------------
+# Prompt lookup: the drafts of speculative decoding
+# nanoserve tells the mechanism (num_accepted). This is its host half: where the
+# last few tokens of a sequence occurred before, and what came after them there.
+
+NGRAM_MIN, NGRAM_MAX = 2, 3   # n-gram lengths matched, the longest tried first
+
+
+class NgramIndex:
+    """The latest earlier occurrence of each n-gram of one sequence's tokens.
+
+    propose(token_ids, k) finds the last n tokens earlier in token_ids, for n
+    from NGRAM_MAX down to NGRAM_MIN, and returns up to k tokens that followed
+    their latest occurrence. An example with k = 3: in [5, 7, 9, 2, 5, 7] the
+    last 3 tokens (2, 5, 7) occurred nowhere before; the last 2 (5, 7) did,
+    ending at position 2, so the draft is token_ids[2:5] = [9, 2, 5].
+
+    Each position is entered once, when the token after it arrives (one dict
+    entry per n), so a step costs a few dict operations, not a scan of the
+    context. token_ids only grows (a preempted sequence keeps its tokens)."""
+
+    def __init__(self):
+        self.ends = {}          # n-gram (a tuple) -> the position just past its latest occurrence
+        self.num_indexed = 1    # positions below this are entered
+
+    def propose(self, token_ids, k):
+        for end in range(self.num_indexed, len(token_ids)):   # each has a token after it
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, end) + 1):
+                self.ends[tuple(token_ids[end - n:end])] = end
+        self.num_indexed = max(self.num_indexed, len(token_ids))
+        for n in range(min(NGRAM_MAX, len(token_ids)), NGRAM_MIN - 1, -1):
+            end = self.ends.get(tuple(token_ids[-n:]))
+            if end is not None:
+                return token_ids[end:end + k]
+        return []
 
 
 # ----------------------------------------------------------------------------
