@@ -90,11 +90,11 @@ import triton.language as tl
 # `logit_edit_entries` (sparse edits, not a dense bias tensor) and
 # `apply_top_k_top_p` (a sort, then two cuts of the sorted row); the model
 # runner `to_device`, `put`, `cuda_graph_sizes` and `set_cpu_threads` (in the
-# CPU path's section); and each Attention layer one (rope_store, attend) pair
-# of ATTENTION: rope_store rotates q in place and writes the rotated k and v
-# into the pool, attend reads the pool through the step's AttentionMetadata (as
-# decode when every sequence brings one token). ATTENTION closes this file,
-# since it names the kernels in between.
+# CPU path's section); the scheduler `NgramIndex`; and each Attention layer one
+# (rope_store, attend) pair of ATTENTION: rope_store rotates q in place and
+# writes the rotated k and v into the pool, attend reads the pool through the
+# step's AttentionMetadata (as decode when every sequence brings one token).
+# ATTENTION closes this file, since it names the kernels in between.
 
 
 def _gather_kv_ref(cache, block_table, L):
@@ -337,6 +337,31 @@ def graph_key(graph_sizes, is_decode, num_tokens):
     sizes = graph_sizes[is_decode]
     i = bisect.bisect_left(sizes, num_tokens)
     return (is_decode, sizes[i]) if i < len(sizes) else None
+
+
+class NgramIndex:
+    """Speculative decoding's drafts (nanoserve's num_accepted tells the mechanism).
+    propose(token_ids, k): the up to k tokens that followed the latest earlier occurrence of
+    the last n tokens, n from NGRAM_MAX down to NGRAM_MIN. With k = 3, in [5, 7, 9, 2, 5, 7]
+    the last 3 tokens occurred nowhere before; the last 2 (5, 7) end at position 2, so the
+    draft is [9, 2, 5]. Each position is entered once, when the token after it arrives: a
+    step costs a few dict operations, not a scan of the context."""
+    NGRAM_MIN, NGRAM_MAX = 2, 3   # n-gram lengths matched, the longest tried first
+
+    def __init__(self):
+        self.ends = {}          # n-gram (a tuple) -> the position just past its latest occurrence
+        self.num_indexed = 1    # positions below this are entered
+
+    def propose(self, token_ids, k):
+        for end in range(self.num_indexed, len(token_ids)):   # each has a token after it
+            for n in range(self.NGRAM_MIN, min(self.NGRAM_MAX, end) + 1):
+                self.ends[tuple(token_ids[end - n:end])] = end
+        self.num_indexed = len(token_ids)
+        for n in range(min(self.NGRAM_MAX, len(token_ids)), self.NGRAM_MIN - 1, -1):
+            end = self.ends.get(tuple(token_ids[-n:]))
+            if end is not None:
+                return token_ids[end:end + k]
+        return []
 
 
 # ----------------------------------------------------------------------------
@@ -1690,43 +1715,6 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-# ----------------------------------------------------------------------------
-# Prompt lookup: the drafts of speculative decoding
-# nanoserve tells the mechanism (num_accepted). This is its host half: where the
-# last few tokens of a sequence occurred before, and what came after them there.
-
-NGRAM_MIN, NGRAM_MAX = 2, 3   # n-gram lengths matched, the longest tried first
-
-
-class NgramIndex:
-    """The latest earlier occurrence of each n-gram of one sequence's tokens.
-
-    propose(token_ids, k) finds the last n tokens earlier in token_ids, for n
-    from NGRAM_MAX down to NGRAM_MIN, and returns up to k tokens that followed
-    their latest occurrence. An example with k = 3: in [5, 7, 9, 2, 5, 7] the
-    last 3 tokens (2, 5, 7) occurred nowhere before; the last 2 (5, 7) did,
-    ending at position 2, so the draft is token_ids[2:5] = [9, 2, 5].
-
-    Each position is entered once, when the token after it arrives (one dict
-    entry per n), so a step costs a few dict operations, not a scan of the
-    context. token_ids only grows (a preempted sequence keeps its tokens)."""
-
-    def __init__(self):
-        self.ends = {}          # n-gram (a tuple) -> the position just past its latest occurrence
-        self.num_indexed = 1    # positions below this are entered
-
-    def propose(self, token_ids, k):
-        for end in range(self.num_indexed, len(token_ids)):   # each has a token after it
-            for n in range(NGRAM_MIN, min(NGRAM_MAX, end) + 1):
-                self.ends[tuple(token_ids[end - n:end])] = end
-        self.num_indexed = max(self.num_indexed, len(token_ids))
-        for n in range(min(NGRAM_MAX, len(token_ids)), NGRAM_MIN - 1, -1):
-            end = self.ends.get(tuple(token_ids[-n:]))
-            if end is not None:
-                return token_ids[end:end + k]
-        return []
 
 
 # ----------------------------------------------------------------------------
