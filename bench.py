@@ -20,6 +20,12 @@ the same inputs.
     structured  offline throughput with 0%, 10% and 100% of the requests
                 constrained to a JSON schema, 10% and 100% under tool_choice
                 "auto"'s grammar, and the host time of the grammars
+    spec        speculative decoding (prompt lookup): on a CPU, one sequence of
+                the real model on four tasks (copy, rename in code, answer
+                from a document, open-ended), nanoserve with and without
+                drafts and transformers' prompt_lookup_num_tokens with and
+                without; on a GPU, the verify step against a decode step by
+                batch size, offline throughput on and off, bf16 agreement
 
 Every number is taken after a warm-up and with the device synchronized, and
 each setting prints one line with a hardware-relative figure next to the raw
@@ -41,11 +47,13 @@ GPU (H100/H200; the model defaults to --random llama-3.2-1b there):
     python bench.py kernel --json bench_out/kernel.json
     python bench.py prefix --json bench_out/prefix.json
     python bench.py structured --tokenizer weights/SmolLM2-135M-Instruct --json bench_out/structured.json
+    python bench.py spec --json bench_out/spec.json
   (throughput without --hf-num-seqs runs transformers on all 256 requests:
   several minutes more; --model DIR runs a real checkpoint instead)
 
 CPU, the real model (the speed section of the README):
     python bench.py latency --device cpu --model weights/SmolLM2-135M-Instruct
+    python bench.py spec --device cpu --model weights/SmolLM2-135M-Instruct --num-threads 1
 
 CPU smoke (checks that every path runs, in under a minute each; the numbers
 mean nothing):
@@ -55,6 +63,7 @@ mean nothing):
     python bench.py prefix --device cpu --random tiny
     python bench.py tp --device cpu --random tiny
     python bench.py structured --device cpu --model weights/SmolLM2-135M-Instruct
+    python bench.py spec --device cpu --model weights/SmolLM2-135M-Instruct --num-tasks 1 --output-len 8 --repeats 1
     TRITON_INTERPRET=1 python bench.py kernel --device cpu
 
 Dimension letters: B sequences in a batch, T tokens of one sequence, n_heads
@@ -1363,9 +1372,9 @@ SPEC_TASKS = {
     "copy a passage": "Copy the following passage exactly, word for word:\n\n" + PASSAGE,
     "rename in code": "Rename the variable `total` to `amount_sum` in this Python function and "
                       "write out the whole function:\n\n" + CODE,
-    "answer from a document": "Document:\n" + PASSAGE + "\n\nQuestion: who built the lighthouse, "
-                              "when was it automated, and what did the cottages become? Answer "
-                              "in full sentences using the document's words.",
+    "answer from a document": "Document:\n" + PASSAGE + "\n\nQuestion: what does the document say "
+                              "about the keepers? Answer by quoting, word for word, every "
+                              "sentence of the document that mentions them.",
     "open-ended writing": "Write a short story about a robot who learns to paint.",
 }
 
