@@ -586,9 +586,9 @@ def num_accepted(draft_token_ids: list, sampled: list) -> int:
     with probability p(d); a rejected row emits x, a draw from p without d, renormalized. That is
     the standard rule for a deterministic draft: the output is distributed as plain sampling, and
     a seeded row, drawing in row order, stays reproducible. Not drafted: rows with a grammar or a
-    penalty (a row's mask or counts would need the drafts before it), and every row while more
-    than Scheduler.SPECULATE_MAX_ROWS run, where batching pays already. A step that may draft
-    reads the step before back first (EngineCore.step), so it gives up the one-ahead overlap."""
+    penalty (a row's mask or counts would need the drafts before it), and all rows while more than
+    Scheduler.SPECULATE_MAX_ROWS run, where a verify step costs well over a decode (README). A
+    step that may draft first reads the step before back (EngineCore.step): no one-ahead overlap."""
     return next((j for j, (d, x) in enumerate(zip(draft_token_ids, sampled)) if d != x),
                 len(draft_token_ids))
 
@@ -602,8 +602,8 @@ class ScheduledBatch:
 
 class Scheduler:
     DECODES_EVERY = 4     # at a burst, decodes ride along every 4th step (the burst rule, above)
-    SPECULATE_MAX_ROWS = 16   # speculative decoding: drafts while at most this many run (README)
-    speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens   # num_accepted
+    SPECULATE_MAX_ROWS = 16   # speculative decoding: drafts only while at most 16 rows run
+    speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens   # (num_accepted)
                           and len(self.running) <= self.SPECULATE_MAX_ROWS)
 
     def __init__(self, cfg: Config, allocator: BlockAllocator):
@@ -1195,9 +1195,9 @@ class EngineCore:
         tokens = host[0] if host else []
         self.runner.grammar_masks.consume([(s.matcher.result(), t) for s, t in zip(step.seqs,
             tokens) if s.matcher is not None and not s.is_finished])  # grammars follow the output
-        outputs, seq_rows = [], iter(zip(step.seqs, zip(*host)))   # row: its token, log-probs
-        for seq, row in seq_rows:
-            rows = [row, *(next(seq_rows)[1] for _ in seq.draft_token_ids)]  # num_accepted
+        outputs, pairs = [], iter(zip(step.seqs, zip(*host)))   # row: its token, then log-probs
+        for seq, row in pairs:
+            rows = [row, *(next(pairs)[1] for _ in seq.draft_token_ids)]  # speculative decoding
             seq.num_pending_tokens -= len(rows)     # read: no longer pending (see Sequence)
             for row in rows[:self.scheduler.accept(seq, [token for token, *_ in rows])]:
                 if not seq.is_finished:         # else aborted, or ended by the step before
