@@ -20,6 +20,12 @@ the same inputs.
     structured  offline throughput with 0%, 10% and 100% of the requests
                 constrained to a JSON schema, 10% and 100% under tool_choice
                 "auto"'s grammar, and the host time of the grammars
+    spec        speculative decoding (prompt lookup): on a CPU, one sequence of
+                the real model on four tasks (copy, rename in code, answer
+                from a document, open-ended), nanoserve with and without
+                drafts and transformers' prompt_lookup_num_tokens with and
+                without; on a GPU, the verify step against a decode step by
+                batch size, offline throughput on and off, bf16 agreement
 
 Every number is taken after a warm-up and with the device synchronized, and
 each setting prints one line with a hardware-relative figure next to the raw
@@ -41,11 +47,13 @@ GPU (H100/H200; the model defaults to --random llama-3.2-1b there):
     python bench.py kernel --json bench_out/kernel.json
     python bench.py prefix --json bench_out/prefix.json
     python bench.py structured --tokenizer weights/SmolLM2-135M-Instruct --json bench_out/structured.json
+    python bench.py spec --json bench_out/spec.json
   (throughput without --hf-num-seqs runs transformers on all 256 requests:
   several minutes more; --model DIR runs a real checkpoint instead)
 
 CPU, the real model (the speed section of the README):
     python bench.py latency --device cpu --model weights/SmolLM2-135M-Instruct
+    python bench.py spec --device cpu --model weights/SmolLM2-135M-Instruct --num-threads 1
 
 CPU smoke (checks that every path runs, in under a minute each; the numbers
 mean nothing):
@@ -55,6 +63,7 @@ mean nothing):
     python bench.py prefix --device cpu --random tiny
     python bench.py tp --device cpu --random tiny
     python bench.py structured --device cpu --model weights/SmolLM2-135M-Instruct
+    python bench.py spec --device cpu --model weights/SmolLM2-135M-Instruct --num-tasks 1 --output-len 8 --repeats 1
     TRITON_INTERPRET=1 python bench.py kernel --device cpu
 
 Dimension letters: B sequences in a batch, T tokens of one sequence, n_heads
@@ -1343,6 +1352,227 @@ def prefix(args, model_dir, hw):
 
 
 # ---------------------------------------------------------------------------
+# spec: speculative decoding with prompt-lookup drafts
+# On the CPU, the real model and one sequence on four tasks, nanoserve with and
+# without drafts next to transformers' generate with and without
+# prompt_lookup_num_tokens, each turn of the four in a row (so load moves them
+# alike), the best turn counting. On a GPU, random weights (they rarely repeat
+# their prompt, so this measures the mechanism): what a verify step costs
+# against a decode step by batch size, with a kernel breakdown at batch 1;
+# offline throughput with drafts on and off, taking turns in one engine; and
+# bf16 agreement, speculative against plain and plain alone against batched.
+
+PASSAGE = ("The lighthouse at Kerrow Point was built in 1871 by the engineer Thomas Stevenson. Its "
+           "light could be seen from twenty-two miles at sea, and for ninety years three keepers "
+           "lived in the cottages below it, trimming the wick every four hours through the night. "
+           "In 1962 the light was automated, the keepers left, and the cottages became a small "
+           "museum of charts, lamps and the logbooks the keepers wrote every evening.")
+CODE = ("def summarize(records):\n    count = 0\n    total = 0.0\n    for record in records:\n"
+        "        if record.valid:\n            count += 1\n            total += record.amount\n"
+        "    average = total / count if count else 0.0\n    return count, total, average\n")
+SPEC_TASKS = {
+    "copy a passage": "Copy the following passage exactly, word for word:\n\n" + PASSAGE,
+    "rename in code": "Rename the variable `total` to `amount_sum` in this Python function and "
+                      "write out the whole function:\n\n" + CODE,
+    "answer from a document": "Document:\n" + PASSAGE + "\n\nQuestion: what does the document say "
+                              "about the keepers? Answer by quoting, word for word, every "
+                              "sentence of the document that mentions them.",
+    "open-ended writing": "Write a short story about a robot who learns to paint.",
+}
+
+
+def spec_cpu(args, model_dir):
+    """One sequence per task, greedy: tok/s of each system, the speedup over its own plain
+    decoding, nanoserve's tokens per step and acceptance rate; a PNG of the speedups."""
+    from nanoserve import SamplingParams
+    k = args.num_speculative_tokens
+    llm = make_llm(args, model_dir, num_threads=args.num_threads)   # sets torch's, HF's too
+    hf = load_hf_model(model_dir, args)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    front, stats = llm.front, llm.engine.scheduler
+    tasks = list(SPEC_TASKS.items())[:args.num_tasks]
+    ids = {task: front.encode(front.chat_template.render([{"role": "user", "content": text}]),
+                              add_special_tokens=False) for task, text in tasks}
+
+    def one_nanoserve(prompt, drafts):
+        llm.engine.cfg.num_speculative_tokens = drafts     # the scheduler reads it every step
+        steps, drafted, accepted = stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens
+        seconds, out = timed(lambda: llm.generate([prompt], params)[0], "cpu")
+        return seconds, len(out.token_ids), dict(
+            steps=stats.num_steps - steps - 1,            # the prompt's step is not a decode
+            drafted=stats.num_draft_tokens - drafted, accepted=stats.num_accepted_tokens - accepted)
+
+    def one_hf(prompt, drafts):
+        extra = {"prompt_lookup_num_tokens": drafts} if drafts else {}
+        with torch.no_grad():
+            seconds, out = timed(lambda: hf.generate(
+                torch.tensor([prompt]), max_new_tokens=args.output_len, do_sample=False,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **extra), "cpu")
+        return seconds, out.shape[1] - len(prompt), {}
+
+    systems = {"nanoserve": (one_nanoserve, 0), f"nanoserve k={k}": (one_nanoserve, k),
+               "transformers generate": (one_hf, 0),
+               f"transformers prompt lookup k={k}": (one_hf, k)}
+    speedups = {}
+    for task, _ in tasks:
+        best = {}
+        for name, (fn, drafts) in systems.items():
+            fn(ids[task][:32], drafts)                    # warm-up
+        for _ in range(args.repeats):                     # turns: each system once in a row
+            for name, (fn, drafts) in systems.items():
+                seconds, n, more = fn(ids[task], drafts)
+                if name not in best or seconds < best[name][0]:
+                    best[name] = (seconds, n, more)
+        for name, (seconds, n, more) in best.items():
+            plain = best["nanoserve" if name.startswith("nanoserve") else "transformers generate"]
+            speedup = (n / seconds) / (plain[1] / plain[0])
+            numbers = dict(tok_s=n / seconds, speedup=speedup, tokens=n)
+            if more.get("steps"):
+                numbers.update(tokens_per_step=n / (more["steps"] + 1),
+                               acceptance=more["accepted"] / max(1, more["drafted"]))
+            report(name, task, **numbers)
+            speedups.setdefault(name, {})[task] = speedup
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(speedups)
+    for i, (name, by_task) in enumerate(speedups.items()):
+        ax.bar([j + i * width for j in range(len(by_task))], list(by_task.values()), width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], [t for t, _ in tasks])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("speed over its own plain decoding")
+    ax.set_title(f"one sequence, greedy, CPU, {model_dir.name}")
+    ax.legend(fontsize=8)
+    save_plot(fig, args.out_dir, "spec.png")
+
+
+def spec(args, model_dir, hw):
+    """Speculative decoding: CPU one-sequence tasks against transformers' prompt lookup, or GPU
+    verify-step cost, offline throughput on and off, and bf16 agreement."""
+    if args.device.startswith("cuda"):
+        spec_gpu(args, model_dir)
+    else:
+        spec_cpu(args, model_dir)
+
+
+def _verify_step_seconds(llm, B, ctx, k, iters=20):
+    """Mean seconds of one step of B rows, each a decode (k = 0) or a decode with k drafts,
+    through the engine's runner (graphs, sampling, the read-back), at context ctx."""
+    import nanoserve as ns
+    engine, bs = llm.engine, llm.engine.cfg.block_size
+    seqs = []
+    for i in range(B):
+        seq = ns.Sequence(f"v{i}", [(7 * i + j) % 1000 + 1 for j in range(ctx)], ns.SamplingParams(temperature=0))
+        seq.block_table = [engine.allocator.allocate() for _ in range(-(-(ctx + k) // bs))]
+        seq.num_computed_tokens = ctx - 1
+        seqs.append(seq)
+
+    def step():
+        for seq in seqs:
+            seq.draft_token_ids = list(range(1, k + 1))
+        launched = engine.runner.launch(ns.ScheduledBatch(seqs, [1 + k] * B))
+        engine.runner.sample(launched)
+        engine.runner.finish_sample(launched)
+        return launched.tokens.tolist()
+    seconds = mean_seconds(step, engine.cfg.device, iters)
+    for seq in seqs:
+        for block in seq.block_table:
+            engine.allocator.free(block)
+    return seconds
+
+
+def _kernel_times(llm, B, k, ctx):
+    """Device time per kernel group of one step (decode or verify) at batch B, microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+    _verify_step_seconds(llm, B, ctx, k, iters=2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _verify_step_seconds(llm, B, ctx, k, iters=10)
+    groups = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        n = e.name.lower()
+        group = ("GEMV" if "gemv" in n else "attention" if "decode" in n or "prefill" in n
+                 else "skinny" if "skinny" in n else "matmul (cuBLAS)" if any(w in n for w in ("gemm", "sm90", "cutlass", "xmma", "nvjet", "splitk"))
+                 else "RoPE-store" if "rope" in n else "norm, silu, add" if any(w in n for w in (
+                     "rms_norm", "silu", "add", "elementwise")) else "other")
+        groups[group] = groups.get(group, 0.0) + (e.time_range.end - e.time_range.start) / 11
+    return groups      # 11 steps: mean_seconds' warm-up call, then 10
+
+
+def spec_gpu(args, model_dir):
+    import nanoserve as ns
+    k = args.num_speculative_tokens
+    llm = make_llm(args, model_dir, num_speculative_tokens=k)
+    shape = model_shape(model_dir, args.torch_dtype)
+    rng = random.Random(0)
+    nanoserve_generate(llm, random_prompts(rng, shape.vocab_size, [32, 48]), 8)  # warm-up
+    # -- verify-step cost by batch size --
+    for B in args.batch_sizes:
+        for drafts in sorted({1, 2, k} if B == 1 else {k}):
+            pairs = [(_verify_step_seconds(llm, B, args.context, 0),
+                      _verify_step_seconds(llm, B, args.context, drafts)) for _ in range(2)]
+            decode, verify = min(p[0] for p in pairs), min(p[1] for p in pairs)
+            report("nanoserve", f"verify step B={B} k={drafts} ctx={args.context}",
+                   decode_ms=1e3 * decode, verify_ms=1e3 * verify, ratio=verify / decode)
+    for drafts in (0, k):
+        groups = _kernel_times(llm, 1, drafts, args.context)
+        log(f"batch 1, {'decode' if drafts == 0 else f'verify k={drafts}'} step, device us by kernel: "
+            + ", ".join(f"{g} {us:.0f}" for g, us in sorted(groups.items(), key=lambda x: -x[1]))
+            + f"; total {sum(groups.values()):.0f}")
+    # -- offline throughput, drafts on and off taking turns in one engine --
+    inputs = (100, 1024) if args.device.startswith("cuda") else (8, 32)   # throughput's sizes
+    lengths = [(rng.randint(*inputs), rng.randint(min(100, args.max_output), args.max_output))
+               for _ in range(args.num_seqs)]
+    prompts = random_prompts(rng, shape.vocab_size, [n for n, _ in lengths])
+    nanoserve_generate(llm, prompts[:32], 32)                     # warm-up at a larger batch
+    rates = {0: [], k: []}
+    for turn in range(args.repeats):
+        for drafts in ((0, k) if turn % 2 == 0 else (k, 0)):
+            llm.engine.cfg.num_speculative_tokens = drafts
+            before = llm.engine.scheduler.num_draft_tokens
+            seconds, outs = timed(lambda: nanoserve_generate(llm, prompts, [n for _, n in lengths]), args.device)
+            rates[drafts].append(sum(len(o.token_ids) for o in outs) / seconds)
+            log(f"  offline turn {turn} drafts {drafts}: {rates[drafts][-1]:.0f} tok/s, "
+                f"{llm.engine.scheduler.num_draft_tokens - before} tokens drafted")
+    report("nanoserve", f"offline {args.num_seqs} seqs, drafts off", tok_s=statistics.mean(rates[0]))
+    report("nanoserve", f"offline {args.num_seqs} seqs, k={k}", tok_s=statistics.mean(rates[k]),
+           vs_off=statistics.mean(rates[k]) / statistics.mean(rates[0]))
+    # -- concurrency below and above the rule's crossover, the rule lifted --
+    limit, ns.Scheduler.SPECULATE_MAX_ROWS = ns.Scheduler.SPECULATE_MAX_ROWS, 10 ** 6
+    for B in args.concurrency:
+        base = random_prompts(rng, shape.vocab_size, [64] * B)
+        batch = [p + p[:32] for p in base]           # each repeats itself: drafts to check
+        tok_s = {}
+        for drafts in (0, k, 0, k):
+            llm.engine.cfg.num_speculative_tokens = drafts
+            s0 = llm.engine.scheduler
+            d0, a0 = s0.num_draft_tokens, s0.num_accepted_tokens
+            seconds, outs = timed(lambda: nanoserve_generate(llm, batch, args.output_len), args.device)
+            tok_s[drafts] = max(tok_s.get(drafts, 0), sum(len(o.token_ids) for o in outs) / seconds)
+            if drafts:
+                acceptance = (s0.num_accepted_tokens - a0) / max(1, s0.num_draft_tokens - d0)
+        report("nanoserve", f"B={B} at once, rule lifted", off_tok_s=tok_s[0], on_tok_s=tok_s[k],
+               on_vs_off=tok_s[k] / tok_s[0], acceptance=acceptance)
+    ns.Scheduler.SPECULATE_MAX_ROWS = limit
+    # -- bf16 agreement: speculative against plain, plain alone against plain batched --
+    base = random_prompts(rng, shape.vocab_size, [48] * args.agreement_prompts)
+    prompts = [p + p[:24] for p in base]
+    runs = {}
+    for name, drafts, together in (("plain alone", 0, False), ("plain batched", 0, True),
+                                   ("speculative alone", k, False)):
+        llm.engine.cfg.num_speculative_tokens = drafts
+        outs = (nanoserve_generate(llm, prompts, args.output_len) if together else
+                [nanoserve_generate(llm, [p], args.output_len)[0] for p in prompts])
+        runs[name] = [o.token_ids for o in outs]
+    for name in ("speculative alone", "plain batched"):
+        same = [a == b for a, b in zip(runs[name], runs["plain alone"])]
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                 for a, b in zip(runs[name], runs["plain alone"])]
+        report("nanoserve", f"{args.dtype} {name} vs plain alone", identical=f"{sum(same)}/{len(same)}",
+               mean_first_difference=statistics.mean(first), tokens=args.output_len)
+
+
+# ---------------------------------------------------------------------------
 # CLI
 # One subcommand per mode. Sizes left unset get a GPU default or a small CPU
 # default, so every mode also runs as a quick smoke test on a CPU.
@@ -1452,7 +1682,7 @@ def rate_list(s):
 
 
 MODES = {"throughput": throughput, "latency": latency, "serve": serve, "kernel": kernel, "prefix": prefix,
-         "structured": structured, "tp": tensor_parallel}
+         "structured": structured, "tp": tensor_parallel, "spec": spec}
 
 # Sizes of each mode: (flag, type, GPU default, CPU default, help).
 SIZE_FLAGS = {
@@ -1509,6 +1739,18 @@ SIZE_FLAGS = {
         ("num_requests", int, 128, 4, "requests per rate"),
         ("input_len", int, 512, 16, "prompt tokens of a served request"),
         ("output_len", int, 64, 8, "output tokens of a served request")],
+    "spec": [
+        ("num_speculative_tokens", int, 4, 4, "drafts per step (k)"),
+        ("output_len", int, 128, 128, "most new tokens of a request"),
+        ("repeats", int, 2, 3, "turns of each setting (cpu: the best counts)"),
+        ("num_tasks", int, 4, 4, "the first N tasks (cpu)"),
+        ("num_threads", int, 0, 0, "torch threads of both systems (cpu; 0: one per core)"),
+        ("batch_sizes", int_list, [1, 2, 4, 8, 16, 32, 64, 128], [1], "verify-step batches (gpu)"),
+        ("context", int, 512, 512, "context of the verify-step rows (gpu)"),
+        ("num_seqs", int, 256, 8, "offline requests (gpu)"),
+        ("max_output", int, 1024, 16, "most output tokens of an offline request (gpu)"),
+        ("concurrency", int_list, [1, 4, 16, 32, 64], [1], "requests at once, rule lifted (gpu)"),
+        ("agreement_prompts", int, 16, 4, "prompts of the bf16 agreement (gpu)")],
 }
 
 

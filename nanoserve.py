@@ -7,8 +7,8 @@ with grammars for structured output, CUDA graphs for every step, and an OpenAI-c
 server with SSE streaming. The paged-attention kernels live next door in paged_attention.py.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
-no int4, no checkpoint stored quantized), speculative decoding, LoRA, beam search, multimodal
-inputs and every model family but Llama.
+no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA, beam
+search, multimodal inputs and every model family but Llama.
 
 Run it:
     python download.py                                  # SmolLM2-135M-Instruct
@@ -94,6 +94,7 @@ class Config:
     tensor_parallel_size: int = _flag(1, "GPUs the model is split over (on cpu: processes)")
     quantization: Optional[str] = _flag(None, "fp8: the layers' weights in fp8 e4m3, a scale per "
                                               "output channel, quantized at load (build_model)")
+    num_speculative_tokens: int = _flag(0, "drafts checked per decode step (0: off; at most 15)")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
     port: int = _flag(8000, "port the server listens on")
@@ -160,6 +161,8 @@ class Config:
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
     def _check(self):
+        if not 0 <= (k := self.num_speculative_tokens) <= 15:   # verify chunks fit a 16-graph
+            raise ValueError(f"num_speculative_tokens must be in [0, 15], got {k}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_heads % self.num_kv_heads:
@@ -574,19 +577,51 @@ class Sequence:
         self.generator = None            # per-request RNG when params.seed is set
         self.matcher = None   # with params.grammar: a Future of its llguidance matcher (EngineCore)
         self.prompt_logprobs: list = []  # (logprob, {token: logprob}) of prompt tokens 1, 2, ...
+        self.draft_token_ids: list = []  # this step's drafts, until read back (num_accepted)
+        self.ngrams = pa.NgramIndex()    # where each n-gram of token_ids last occurred
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
     is_finished = property(lambda self: self.status == "finished")
+
+def num_accepted(draft_token_ids: list, sampled: list) -> int:
+    """Speculative decoding, whole. A decode step reads every weight for one token per row; at a
+    small batch it can check several tokens for about the same cost. Four parts:
+    - draft: Scheduler._draft guesses up to num_speculative_tokens (k) next tokens by prompt
+      lookup, what followed the last few tokens where they occurred before (pa.NgramIndex);
+    - verify: its newest token and the drafts run as one causal chunk, each row sampled (_flatten);
+    - accept: the drafts up to the first that differs from the token sampled at its place are
+      kept, and that sampled token too (this function counts the drafts kept; Scheduler.accept);
+    - rewind: num_computed_tokens moves back past the rejected drafts, whose K/V is overwritten
+      later, and blocks held only for them go back to the pool. No prefix hash covers them: only
+      read-back tokens are hashed.
+    One step, k = 3, token_ids ending "... sat on the", num_computed_tokens L - 1 (L tokens): "on
+    the" came before, followed by "mat . The", the drafts. The chunk [the, mat, ., The] runs at
+    positions L-1..L+2 and samples [mat, ., It, cat]: two drafts agree, so "mat . It" is appended,
+    3 tokens for one step. num_computed_tokens went to L + 3 at launch, and back by the rejected
+    draft to L + 2: len(token_ids) - 1, as always.
+    Sampling is exact too. A draft d is kept iff the row's draw x from p equals it, which happens
+    with probability p(d); a rejected row emits x, a draw from p without d, renormalized. That is
+    the standard rule for a deterministic draft: the output is distributed as plain sampling, and
+    a seeded row, drawing in row order, stays reproducible. Not drafted: rows with a grammar or a
+    penalty (a row's mask or counts would need the drafts before it), and all rows while more than
+    Scheduler.SPECULATE_MAX_ROWS run, where a verify step costs well over a decode (README). A
+    step that may draft first reads the step before back (EngineCore.step): no one-ahead overlap."""
+    return next((j for j, (d, x) in enumerate(zip(draft_token_ids, sampled)) if d != x),
+                len(draft_token_ids))
 
 @dataclass
 class ScheduledBatch:
     """What one step runs: each sequence with its number of new tokens."""
     seqs: list
     num_new_tokens: list
+    num_draft_tokens: int = 0         # of those, drafts to verify (num_accepted)
     is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
 
 class Scheduler:
     DECODES_EVERY = 4     # at a burst, decodes ride along every 4th step (the burst rule, above)
+    SPECULATE_MAX_ROWS = 16   # speculative decoding: drafts only while at most 16 rows run
+    speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens   # (num_accepted)
+                          and len(self.running) <= self.SPECULATE_MAX_ROWS)
 
     def __init__(self, cfg: Config, allocator: BlockAllocator):
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
@@ -594,6 +629,7 @@ class Scheduler:
         self.running: list[Sequence] = []      # in admission order
         self.num_steps = self.num_preemptions = 0    # counts; a step that preempts admits no one
         self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
+        self.num_draft_tokens = self.num_accepted_tokens = 0   # speculative decoding's
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
@@ -608,7 +644,10 @@ class Scheduler:
                 continue
             # a pending token is computed like any other (see Sequence)
             n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
-            if self._reserve_blocks(seq, n):
+            drafts = self._draft(seq, budget)      # speculative decoding: see num_accepted
+            if self._reserve_blocks(seq, n + len(drafts)):
+                seq.draft_token_ids, n = drafts, n + len(drafts)
+                batch.num_draft_tokens += len(drafts)
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
                 budget -= n
         # -- admit waiting sequences while budget, seats and blocks allow --
@@ -647,6 +686,30 @@ class Scheduler:
         room = self.allocator.num_free_blocks * self.block_size >= 2 * budget
         fills_step = sum(seq.num_tokens for seq in self.waiting) >= budget
         return seat_free and room and fills_step
+
+    def _draft(self, seq: Sequence, budget: int) -> list:
+        """seq's drafts this step (num_accepted); accepting all stays within the length limits."""
+        if not self.speculates or seq.matcher is not None or seq.params.needs_output_history \
+                or seq.num_computed_tokens != seq.num_tokens - 1:   # pending, or a prefill
+            return []
+        k = min(self.cfg.num_speculative_tokens, budget - 1, self.cfg.max_model_len - seq.num_tokens
+                - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return seq.ngrams.propose(seq.token_ids, k) if k > 0 else []
+
+    def accept(self, seq: Sequence, tokens: list) -> int:
+        """num_accepted's accept and rewind: how many of seq's sampled tokens it keeps (1 without
+        drafts). Rejected drafts' K/V is overwritten later; blocks held only for them go back."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        num_kept = num_accepted(drafts, tokens)
+        if drafts and not seq.is_finished:        # (an aborted one has no blocks left)
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += num_kept
+            seq.num_computed_tokens -= len(drafts) - num_kept
+            num_blocks = -(-seq.num_computed_tokens // self.block_size)   # ceil
+            for block in reversed(seq.block_table[num_blocks:]):
+                self.allocator.free(block)
+            del seq.block_table[num_blocks:]
+        return num_kept + 1
 
     def _ends_when_read(self, seq: Sequence) -> bool:
         """True if seq's pending token is its last by length: no later step is worth launching."""
@@ -892,8 +955,9 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             last_row = flat["cu_seqlens_q"][-1] + n - 1
-            flat["input_ids"] += seq.token_ids[start:end]
-            if end > seq.num_tokens:     # its last input is the pending token (see Sequence)
+            d = len(seq.draft_token_ids)       # speculative decoding: the drafts follow, every
+            flat["input_ids"] += seq.token_ids[start:end] + seq.draft_token_ids   # row samples
+            if end > seq.num_tokens + d:     # its last input is the pending token (see Sequence)
                 flat["input_ids"].append(0)        # a placeholder: _put_input_ids fills it
                 pending.append((last_row, seq))
             table = seq.block_table
@@ -902,9 +966,9 @@ class ModelRunner:
             flat["slot_mapping"] += [table[p // bs] * bs + p % bs for p in range(start, end)]
             flat["context_lens"].append(end)
             flat["cu_seqlens_q"].append(last_row + 1)
-            if end >= seq.num_tokens:    # its last input is its newest token: it samples
-                sample_rows.append(last_row)
-                sample_seqs.append(i)
+            if end >= seq.num_tokens + d:   # its last input is its newest token: it samples
+                sample_rows += range(last_row - d, last_row + 1)
+                sample_seqs += [i] * (d + 1)
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
         return flat, sample_rows, sample_seqs, pending
 
@@ -1119,9 +1183,11 @@ class EngineCore:
         read-back, penalties and grammars see every token so far, and the host's work still hides
         behind the new step's forward pass. Returns an EngineCoreOutput per sequence that sampled
         in the step read back and had not ended meanwhile (none the first call)."""
-        prev = self.launched
+        prev, outputs = self.launched, []
+        if prev is not None and (self.scheduler.speculates or prev.batch.num_draft_tokens):
+            outputs, prev = self._commit(prev), None   # speculative decoding: see num_accepted
         self.launched = self._launch(prev)         # step N+1, before step N is read back
-        outputs = self._commit(prev) if prev is not None else []
+        outputs = self._commit(prev) if prev is not None else outputs
         if self.launched is not None:
             self.runner.sample(self.launched)
         return outputs
@@ -1146,11 +1212,13 @@ class EngineCore:
         tokens = host[0] if host else []
         self.runner.grammar_masks.consume([(s.matcher.result(), t) for s, t in zip(step.seqs,
             tokens) if s.matcher is not None and not s.is_finished])  # grammars follow the output
-        outputs = []
-        for seq, row in zip(step.seqs, zip(*host)):   # row: its token, then its log-probs
-            seq.num_pending_tokens -= 1         # read: no longer pending (see Sequence)
-            if not seq.is_finished:             # else aborted, or ended by the step before
-                outputs.append(self._append_token(seq, *row))
+        outputs, pairs = [], iter(zip(step.seqs, zip(*host)))   # row: its token, then log-probs
+        for seq, row in pairs:
+            rows = [row, *(next(pairs)[1] for _ in seq.draft_token_ids)]  # speculative decoding
+            seq.num_pending_tokens -= len(rows)     # read: no longer pending (see Sequence)
+            for row in rows[:self.scheduler.accept(seq, [token for token, *_ in rows])]:
+                if not seq.is_finished:         # else aborted, or ended by the step before
+                    outputs.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
             self.scheduler.cache_computed_blocks(seq)    # a finished one has no blocks left
         self.num_generated_tokens += len(outputs)
@@ -1207,7 +1275,9 @@ class EngineCore:
                     prompt_tokens_total=s.num_prompt_tokens,  # admitted; of those, cached:
                     prefix_cache_hit_tokens_total=s.num_cached_tokens,
                     prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
-                    preemptions_total=s.num_preemptions)
+                    preemptions_total=s.num_preemptions,
+                    spec_decode_num_draft_tokens_total=s.num_draft_tokens,
+                    spec_decode_num_accepted_tokens_total=s.num_accepted_tokens)
 
 # ---------------------------------------------------------------------------
 # Requests in, text out

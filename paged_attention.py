@@ -29,6 +29,7 @@ owns in order. This file holds the kernels that touch that pool:
                              tensor parallelism: a rank's cut of each weight,
                              the all-reduce after o and down, the ranks'
                              processes (nanoserve tells the design)
+    NgramIndex               speculative decoding's drafts by prompt lookup
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
@@ -93,11 +94,11 @@ import triton.language as tl
 # `logit_edit_entries` (sparse edits, not a dense bias tensor) and
 # `apply_top_k_top_p` (a sort, then two cuts of the sorted row); the model
 # runner `to_device`, `put`, `cuda_graph_sizes` and `set_cpu_threads` (in the
-# CPU path's section); and each Attention layer one (rope_store, attend) pair
-# of ATTENTION: rope_store rotates q in place and writes the rotated k and v
-# into the pool, attend reads the pool through the step's AttentionMetadata (as
-# decode when every sequence brings one token). ATTENTION closes this file,
-# since it names the kernels in between.
+# CPU path's section); the scheduler `NgramIndex`; and each Attention layer one
+# (rope_store, attend) pair of ATTENTION: rope_store rotates q in place and
+# writes the rotated k and v into the pool, attend reads the pool through the
+# step's AttentionMetadata (as decode when every sequence brings one token).
+# ATTENTION closes this file, since it names the kernels in between.
 
 
 def _gather_kv_ref(cache, block_table, L):
@@ -356,6 +357,31 @@ def graph_key(graph_sizes, is_decode, num_tokens):
     sizes = graph_sizes[is_decode]
     i = bisect.bisect_left(sizes, num_tokens)
     return (is_decode, sizes[i]) if i < len(sizes) else None
+
+
+class NgramIndex:
+    """Speculative decoding's drafts (nanoserve's num_accepted tells the mechanism).
+    propose(token_ids, k): the up to k tokens that followed the latest earlier occurrence of
+    the last n tokens, n from NGRAM_MAX down to NGRAM_MIN. With k = 3, in [5, 7, 9, 2, 5, 7]
+    the last 3 tokens occurred nowhere before; the last 2 (5, 7) end at position 2, so the
+    draft is [9, 2, 5]. Each position is entered once, when the token after it arrives: a
+    step costs a few dict operations, not a scan of the context."""
+    NGRAM_MIN, NGRAM_MAX = 2, 3   # n-gram lengths matched, the longest tried first
+
+    def __init__(self):
+        self.ends = {}          # n-gram (a tuple) -> the position just past its latest occurrence
+        self.num_indexed = 1    # positions below this are entered
+
+    def propose(self, token_ids, k):
+        for end in range(self.num_indexed, len(token_ids)):   # each has a token after it
+            for n in range(self.NGRAM_MIN, min(self.NGRAM_MAX, end) + 1):
+                self.ends[tuple(token_ids[end - n:end])] = end
+        self.num_indexed = len(token_ids)
+        for n in range(min(self.NGRAM_MAX, len(token_ids)), self.NGRAM_MIN - 1, -1):
+            end = self.ends.get(tuple(token_ids[-n:]))
+            if end is not None:
+                return token_ids[end:end + k]
+        return []
 
 
 # ----------------------------------------------------------------------------

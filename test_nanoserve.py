@@ -427,6 +427,127 @@ def test_prefix_cache_evicts_in_a_small_pool():
 
 
 # ---------------------------------------------------------------------------
+# Speculative decoding (nanoserve.num_accepted)
+
+COPY_PROMPTS = ["Copy this line twice: the red fox ran over the hill to the old mill by the river."
+                "\nthe red fox ran over the hill", "def area(width, height):\n    return width * "
+                "height\n\ndef area(width, height):\n", "1, 2, 3, 4, 5, 6, 1, 2, 3,"]
+
+
+def test_speculative_greedy_equals_plain(smol_llm):
+    """fp32 greedy with drafts gives plain decoding's tokens, batched and alone, with preemptions
+    (9 blocks of 8) and with prefix caching (a second pass finds the prompts cached); drafts are
+    both accepted and rejected, and every block is back in the pool after all the rewinds."""
+    prompts = COPY_PROMPTS + SMOL_PROMPTS[:1]
+    params = ns.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in smol_llm.generate(prompts, params)]
+    spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, num_speculative_tokens=4)
+    small = ns.LLM(SMOL_DIR, device="cpu", num_blocks=9, block_size=8, num_speculative_tokens=4,
+                   enable_prefix_caching=False)
+    for llm in (spec, spec, small):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+        check_pool_is_free(llm.engine)
+    assert spec.generate(prompts[:1], params)[0].token_ids == plain[0]
+    stats = spec.stats()
+    assert stats["prefix_cache_hit_tokens_total"] > 0 and small.stats()["preemptions_total"] > 0
+    drafted, accepted = (stats[f"spec_decode_num_{k}_tokens_total"] for k in ("draft", "accepted"))
+    print(f"drafted {drafted}, accepted {accepted}")
+    assert 0 < accepted < drafted
+
+
+def test_acceptance_keeps_the_sampling_distribution():
+    """The rule on a toy model of 3 tokens, p(next | last) a fixed table, one draft per step:
+    sample the chunk's 2 rows with the engine's sampler, keep what num_accepted keeps, and the
+    first two tokens emitted are distributed as plain sampling's p(a | 0) p(b | a). The draft is
+    always token 1 (p(1 | 0) = 0.5): kept half the time, so both branches are exercised."""
+    table = torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3], [0.3, 0.3, 0.4]])
+    n, draft = 60000, 1
+    logits = torch.cat([table[0].log().expand(n, 3), table[draft].log().expand(n, 3)])
+    x = ns.sample(logits, sampling_batch([1.0] * 2 * n))[0].view(2, n)   # row 0, then row 1
+    # a rejected draft leaves one token, and the next (plain) step samples the second
+    follow = ns.sample(table[x[0]].log(), sampling_batch([1.0] * n))[0]
+    kept = torch.tensor([ns.num_accepted([draft], [a, b]) for a, b in x.T.tolist()])
+    second = torch.where(kept == 1, x[1], follow)
+    counts = torch.bincount(x[0] * 3 + second, minlength=9).float() / n
+    expected = (table[0][:, None] * table).flatten()
+    print(f"kept {kept.float().mean():.3f}, worst |freq - p| {(counts - expected).abs().max():.4f}")
+    assert abs(kept.float().mean() - 0.5) < 0.01
+    assert torch.allclose(counts, expected, atol=0.01)    # 4 standard deviations at n = 60,000
+
+
+def test_speculation_keeps_stops_lengths_logprobs_grammars(smol_llm):
+    """With drafts: a stop string and a stop token end the text where plain decoding ends it,
+    max_tokens is never passed though several tokens are accepted at once, every token keeps
+    its log-probs, and a JSON grammar's output is plain decoding's."""
+    spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, num_speculative_tokens=4)
+    prompt = COPY_PROMPTS[0]
+    grammar = smol_llm.front.grammar(json.dumps({"type": "object", "properties": {
+        "fox": {"type": "string"}}, "required": ["fox"]}))
+    cases = [ns.SamplingParams(temperature=0, max_tokens=20, stop=["hill"]),
+             ns.SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[smol_llm.front.encode(
+                 " mill", add_special_tokens=False)[0]]),
+             *[ns.SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2)
+               for m in (2, 7)],
+             ns.SamplingParams(temperature=0, max_tokens=16, grammar=grammar)]
+    for params in cases:
+        ref, out = smol_llm.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+        assert (out.token_ids, out.text, out.finish_reason) == \
+            (ref.token_ids, ref.text, ref.finish_reason), params
+        assert len(out.token_ids) <= params.max_tokens
+        for (a, top_a), (b, top_b) in zip(out.logprobs, ref.logprobs):
+            assert abs(a - b) < 1e-4 and top_a.keys() == top_b.keys()
+        assert len(out.logprobs) == (len(out.token_ids) if params.logprobs else 0)
+    assert spec.stats()["spec_decode_num_accepted_tokens_total"] > 0
+    check_pool_is_free(spec.engine)
+
+
+@pytest.mark.parametrize("device,eager", [
+    ("cpu", True), *[pytest.param("cuda", e, marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))
+                     for e in (False, True)]])
+def test_any_drafts_keep_fp32_greedy(tiny, device, eager, monkeypatch):
+    """fp32 greedy output is plain decoding's whatever the drafts: on a random model (which copies
+    nothing, so prompt lookup would rarely draft), drafts from the plain output itself with every
+    third token wrong, so runs of them are kept and rejected. On the GPU with CUDA graphs and
+    eager; batched and alone; every block back after the rewinds."""
+    path, _ = tiny
+    prompts = [list(range(5, 25)) * 2, [9, 8, 7, 6] * 8, list(range(100, 164))]
+    params = ns.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    settings = dict(device=device, dtype="float32", enforce_eager=eager, num_blocks=128,
+                    block_size=8, max_num_batched_tokens=256, max_num_seqs=8)
+    plain = ns.LLM(path, **settings)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    del plain
+    wanted = {tuple(p): p + r for p, r in zip(prompts, ref)}     # prompt -> its whole sequence
+
+    def oracle(self, token_ids, k):          # the true next tokens, every third one wrong
+        whole = next(w for p, w in wanted.items() if tuple(token_ids[:len(p)]) == p)
+        n = len(token_ids)
+        return [t if (n + i) % 3 else (t + 1) % 512 for i, t in enumerate(whole[n:n + k])]
+    monkeypatch.setattr(pa.NgramIndex, "propose", oracle)
+    spec = ns.LLM(path, num_speculative_tokens=4, **settings)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == ref
+    assert [spec.generate([p], params)[0].token_ids for p in prompts] == ref
+    stats = spec.stats()
+    drafted, accepted = (stats[f"spec_decode_num_{k}_tokens_total"] for k in ("draft", "accepted"))
+    print(f"{device} eager {eager}: drafted {drafted}, accepted {accepted}")
+    assert 0 < accepted < drafted
+    check_pool_is_free(spec.engine)
+
+
+def test_num_speculative_tokens_bounds(capsys):
+    """Negative or above 15: a ValueError from LLM (before loading), one line from the CLI."""
+    ensure_smol()
+    for k in (-1, 16):
+        with pytest.raises(ValueError, match=f"num_speculative_tokens must be in \\[0, 15\\], "
+                                             f"got {k}"):
+            ns.LLM(SMOL_DIR, device="cpu", num_speculative_tokens=k)
+        with pytest.raises(SystemExit) as e:
+            ns.main(["generate", "Hi", "--device", "cpu", "--num-speculative-tokens", str(k)])
+        assert str(e.value.code).startswith("error: num_speculative_tokens") and \
+            "\n" not in str(e.value.code)
+
+
+# ---------------------------------------------------------------------------
 # Sampling
 
 def sampling_batch(temps, top_ks=None, top_ps=None, gens=()):
@@ -1598,6 +1719,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stop": ["ok", 3]}, "stop"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
     ({"prompt": "hi", "max_tokens": 100_000}, None),             # over the context window
+    ({"prompt": "hi", "num_speculative_tokens": 4}, "num_speculative_tokens"),  # the server's
 ]
 BAD_CHATS = [
     {},
