@@ -605,7 +605,8 @@ def num_accepted(draft_token_ids: list, sampled: list) -> int:
     a seeded row, drawing in row order, stays reproducible. Not drafted: rows with a grammar or a
     penalty (a row's mask or counts would need the drafts before it), and all rows while more than
     Scheduler.SPECULATE_MAX_ROWS run, where a verify step costs well over a decode (README). A
-    step that may draft first reads the step before back (EngineCore.step): no one-ahead overlap."""
+    step that may draft (Scheduler.may_draft) first reads the step before back: no one-ahead
+    overlap in that step, since a draft follows the newest token, which must be on the host."""
     return next((j for j, (d, x) in enumerate(zip(draft_token_ids, sampled)) if d != x),
                 len(draft_token_ids))
 
@@ -695,6 +696,13 @@ class Scheduler:
         k = min(self.cfg.num_speculative_tokens, budget - 1, self.cfg.max_model_len - seq.num_tokens
                 - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
         return seq.ngrams.propose(seq.token_ids, k) if k > 0 else []
+
+    def may_draft(self) -> bool:
+        """Speculative decoding: whether the next step is worth a read-back first (num_accepted).
+        Yes where a row's tokens so far end in an n-gram seen before: copied text keeps matching,
+        other text seldom starts to, and there the one-ahead overlap is kept."""
+        return self.speculates and any(seq.matcher is None and seq.ngrams.propose(seq.token_ids, 1)
+                                       for seq in self.running)
 
     def accept(self, seq: Sequence, tokens: list) -> int:
         """num_accepted's accept and rewind: how many of seq's sampled tokens it keeps (1 without
@@ -1184,7 +1192,7 @@ class EngineCore:
         behind the new step's forward pass. Returns an EngineCoreOutput per sequence that sampled
         in the step read back and had not ended meanwhile (none the first call)."""
         prev, outputs = self.launched, []
-        if prev is not None and (self.scheduler.speculates or prev.batch.num_draft_tokens):
+        if prev is not None and (prev.batch.num_draft_tokens or self.scheduler.may_draft()):
             outputs, prev = self._commit(prev), None   # speculative decoding: see num_accepted
         self.launched = self._launch(prev)         # step N+1, before step N is read back
         outputs = self._commit(prev) if prev is not None else outputs
