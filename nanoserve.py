@@ -1263,16 +1263,61 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}")
 
+# OpenAI's strict mode (strict: true) refuses these keywords; nanoserve refuses them there too
+_NOT_STRICT = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
+               "dependentSchemas", "patternProperties", "unevaluatedProperties", "propertyNames",
+               "minProperties", "maxProperties", "unevaluatedItems", "contains", "minContains",
+               "maxContains", "uniqueItems")
+
+def prepare_schema(schema, strict: bool = False, prefix: str = ""):
+    """A copy of a JSON schema, as the grammar takes it. An object that lists properties and does
+    not say additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode).
+    An integer without bounds gets JSON's exact range, +-(2**53 - 1), so its digits end. Each
+    "#/$defs/X" becomes "#/$defs/{prefix}X" (tool_call_grammar moves every tool's $defs to one
+    root). With strict, a schema that breaks OpenAI's strict-mode rules is a ValueError naming
+    the rule and where: every object lists all its properties in required, says
+    additionalProperties false, and uses none of _NOT_STRICT."""
+    def walk(node, path: str):
+        if isinstance(node, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        out = {k: v if k in ("const", "enum", "default", "examples") else walk(v, f"{path}/{k}")
+               for k, v in node.items()}           # values, not schemas: left alone
+        if isinstance(out.get("$ref"), str):
+            out["$ref"] = out["$ref"].replace("#/$defs/", "#/$defs/" + prefix, 1)
+        if isinstance(out.get("properties"), dict):
+            if strict and out.get("additionalProperties") is not False:
+                raise ValueError(f"is strict: every object needs additionalProperties false ({path})")
+            if strict and set(out["properties"]) - set(out.get("required", [])):
+                raise ValueError(f"is strict: every property must be in required ({path})")
+            out.setdefault("additionalProperties", False)
+        if strict and (bad := [k for k in _NOT_STRICT if k in out]):
+            raise ValueError(f"is strict: {bad[0]!r} is not supported there ({path})")
+        if out.get("type") == "integer":   # an exclusive bound beside one still holds
+            out.setdefault("minimum", -2**53 + 1)
+            out.setdefault("maximum", 2**53 - 1)
+        return out
+    if strict and not (isinstance(schema, dict) and schema.get("type") == "object"):
+        raise ValueError("is strict: the schema must be an object")
+    return walk(schema, "#")
+
 def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
-    or the one named, spaced as json.dumps (as models are trained), one unless parallel."""
+    or the one named, spaced as json.dumps (as models are trained), one unless parallel. Each
+    tool's $defs move to the root, named "{tool}.X": a $ref resolves from there."""
     key, lark = TOOL_CALL_FORMATS[fmt][2:]
+    calls, defs = [], {}
+    for t in tools:
+        name = t["function"]["name"]
+        if choice in ("auto", "required", name):
+            parameters = prepare_schema(t["function"].get("parameters", {"type": "object"}),
+                                        prefix=name + ".")
+            defs |= {f"{name}.{k}": v for k, v in parameters.pop("$defs", {}).items()}
+            calls.append({"type": "object", "required": ["name", key], "properties": {
+                "name": {"const": name}, key: parameters}, "additionalProperties": False})
     schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                             "item_separator": ", "}, "anyOf": [
-        {"type": "object", "required": ["name", key], "additionalProperties": False,
-         "properties": {"name": {"const": t["function"]["name"]},
-                        key: t["function"].get("parameters", {"type": "object"})}}
-        for t in tools if choice in ("auto", "required", t["function"]["name"])]}
+                             "item_separator": ", "}, "anyOf": calls, "$defs": defs}
     lark = lark if parallel else lark.replace(" (SEP call)*", "")
     return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
 
@@ -1387,13 +1432,15 @@ class FrontEnd:
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
     def _compile_grammar(self, source: str, lark: bool = False) -> str:
-        """llguidance's grammar for a JSON schema (as JSON; its output compact, no spaces) or Lark
-        text, checked: a ValueError says why not. Cached as `grammar`: one compile per source."""
+        """llguidance's grammar for a JSON schema (as JSON, made ready by prepare_schema; its output
+        compact, no spaces) or Lark text, checked: a ValueError says why not. Cached as `grammar`:
+        one compile per source."""
         if self.tokenizer is None:
             raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
         grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
             llguidance.LLMatcher.grammar_from_json_schema(
-                source, overrides={"whitespace_flexible": False})
+                json.dumps(prepare_schema(json.loads(source))),
+                overrides={"whitespace_flexible": False})
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
             raise ValueError(f"the schema cannot be compiled: {error}")
@@ -1830,7 +1877,18 @@ def _response_format(v, f) -> Optional[dict]:
     if not (kind in ("text", "json_object") or kind == "json_schema" and "json_schema" in v):
         raise ValueError("must be of type 'text', 'json_object' or 'json_schema' (and then have "
                          "'json_schema')")
-    return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
+    schema = None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
+    if kind == "json_schema" and v["json_schema"].get("strict"):
+        prepare_schema(schema, strict=True)       # a ValueError names the rule broken
+    return schema
+
+def _function(v, f) -> dict:
+    """A tool's function, required; with strict, its parameters follow OpenAI's strict rules."""
+    if v is None:
+        raise ValueError("is required")
+    if v.get("strict"):
+        prepare_schema(v.get("parameters", {}), strict=True)
+    return v
 
 def _tool_choice(v, f) -> Optional[str]:
     """None (no call), "auto" (the model decides: the default with tools), "required" (a call of
@@ -1862,7 +1920,7 @@ CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, to
     max_completion_tokens=int, parallel_tool_calls=bool,
     tools=[{"type": str, "function": ({"name": (str, _rule(lambda v, f: re.fullmatch(
         r"[a-zA-Z0-9_-]{1,64}", v or ""), "must be 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's)")),
-        "description": str, "parameters": dict, "strict": bool}, _REQUIRED)}],
+        "description": str, "parameters": dict, "strict": bool}, _function)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
@@ -1970,7 +2028,11 @@ class _Shape:
                     if choice.get("delta") != {} or choice["logprobs"]:   # tools hold back
                         yield choice | {"finish_reason": None}   # that is the last chunk's to say
                 if d.finish_reason is not None:   # (an echo not sent yet goes with it)
-                    yield self.last(state, d)
+                    end = self.last(state, d)
+                    if end.get("delta"):   # its news first, then the finish_reason alone, as
+                        yield end | {"finish_reason": None}   # OpenAI does: its SDK ends a
+                        end = end | {"delta": {}}              # streamed call's arguments there
+                    yield end
 
     def last(self, state: RequestState, d: Delta) -> dict:
         """The chunk that carries the finish_reason."""
@@ -2093,12 +2155,15 @@ class _CompletionShape(_Shape):
 class _ChatShape(_Shape):
     """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
     empty one with the finish_reason ("tool_calls" if the model called). With tools, the text is
-    parsed (split_tool_calls) into content and call deltas: index, id, type, name, arguments."""
+    parsed (split_tool_calls) into content and call deltas: index, id, type, name, arguments. A
+    forced call streams the same way, unless a stop string may cut it (hold): then it is sent
+    whole at the end, or, cut, as content with "stop" (as one that max_tokens cut keeps "length")."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
+    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None,
+                 hold=False):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
-        self.call_format = call_format    # a TOOL_CALL_FORMATS entry; None: no calls
+        self.call_format, self.hold = call_format, hold  # a TOOL_CALL_FORMATS entry; None: no calls
         self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
 
     def opening(self, i: int) -> list:
@@ -2106,8 +2171,8 @@ class _ChatShape(_Shape):
         return [{"index": i, "delta": {"role": "assistant", "content": content},
                  "logprobs": None, "finish_reason": None}]
 
-    def has_news(self, d: Delta) -> bool:       # a forced call is sent whole, at the end
-        return self.call_format is not TOOL_CALL_FORMATS["json"] and super().has_news(d)
+    def has_news(self, d: Delta) -> bool:       # a held call is sent whole, at the end
+        return not self.hold and super().has_news(d)
 
     def parsed_delta(self, d: Delta, final: bool) -> dict:
         """What is new in choice d.index's content and calls, from its whole text parsed again."""
@@ -2129,7 +2194,10 @@ class _ChatShape(_Shape):
     def last(self, state: RequestState, d: Delta) -> dict:
         if not self.call_format:
             return super().last(state, d)
-        unseen = state.text[len(self.sent.get(d.index, [""])[0]):]   # all of a forced call
+        if self.hold and d.finish_reason == "stop" and not _parses(state.text):   # a stop string
+            return {"index": d.index, "delta": {"content": state.text}, "logprobs": None,
+                    "finish_reason": "stop"}
+        unseen = state.text[len(self.sent.get(d.index, [""])[0]):]   # all of a held call
         delta = self.parsed_delta(dataclasses.replace(d, text=unseen), final=True)
         called = d.finish_reason == "stop" and self.sent[d.index][2]
         return {"index": d.index, "delta": delta, "logprobs": None,
@@ -2148,6 +2216,13 @@ class _ChatShape(_Shape):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
                             for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 # -- the app --
 def _reject_constant(name: str):
@@ -2232,7 +2307,8 @@ class OpenAIServer:
             grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
-        shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt])
+        shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt],
+                           hold=fmt == "json" and bool(f["stop"]))
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
@@ -2301,8 +2377,11 @@ class OpenAIServer:
 async def _error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
     (logged; the client gets one line). A 413 or 5xx closes the connection: a pool opens another."""
-    if isinstance(e, HTTPException):
-        e = APIError(e.status_code, e.detail)
+    if isinstance(e, HTTPException):   # an unknown path (the Agents SDK's /v1/responses): say why
+        e = APIError(e.status_code, e.detail if e.status_code != 404 else
+                     f"{request.url.path} is not served: this server speaks the Chat Completions "
+                     "API (/v1/chat/completions) and Completions (/v1/completions); the OpenAI "
+                     "Agents SDK takes set_default_openai_api('chat_completions')", code="not_found")
     elif not isinstance(e, APIError):
         e = APIError(500, f"internal error: {type(e).__name__}", "internal_error")
     headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None
