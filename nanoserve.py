@@ -1263,11 +1263,8 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}")
 
-# OpenAI's strict mode (strict: true) refuses these keywords; nanoserve refuses them there too
-_NOT_STRICT = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
-               "dependentSchemas", "patternProperties", "unevaluatedProperties", "propertyNames",
-               "minProperties", "maxProperties", "unevaluatedItems", "contains", "minContains",
-               "maxContains", "uniqueItems")
+# Keywords that OpenAI's strict mode refuses and llguidance takes (it refuses the others itself)
+_NOT_STRICT = ("allOf", "oneOf", "patternProperties", "minProperties", "maxProperties")
 
 def prepare_schema(schema, strict: bool = False, prefix: str = ""):
     """A copy of a JSON schema, as the grammar takes it. An object that lists properties and does
@@ -1277,18 +1274,20 @@ def prepare_schema(schema, strict: bool = False, prefix: str = ""):
     root). With strict, a schema that breaks OpenAI's strict-mode rules is a ValueError naming
     the rule and where: every object lists all its properties in required, says
     additionalProperties false, and uses none of _NOT_STRICT."""
-    def walk(node, path: str):
+    def walk(node, path: str, names: bool = False):
         if isinstance(node, list):
             return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
         if not isinstance(node, dict):
             return node
-        out = {k: v if k in ("const", "enum", "default", "examples") else walk(v, f"{path}/{k}")
-               for k, v in node.items()}           # values, not schemas: left alone
+        if names:                             # properties, $defs: each name's schema
+            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
+        out = {k: v if k in ("const", "enum", "default", "examples") else   # values, not schemas
+               walk(v, f"{path}/{k}", k in ("properties", "$defs")) for k, v in node.items()}
         if isinstance(out.get("$ref"), str):
             out["$ref"] = out["$ref"].replace("#/$defs/", "#/$defs/" + prefix, 1)
         if isinstance(out.get("properties"), dict):
             if strict and out.get("additionalProperties") is not False:
-                raise ValueError(f"is strict: every object needs additionalProperties false ({path})")
+                raise ValueError(f"is strict: an object needs additionalProperties false ({path})")
             if strict and set(out["properties"]) - set(out.get("required", [])):
                 raise ValueError(f"is strict: every property must be in required ({path})")
             out.setdefault("additionalProperties", False)
@@ -1298,8 +1297,6 @@ def prepare_schema(schema, strict: bool = False, prefix: str = ""):
             out.setdefault("minimum", -2**53 + 1)
             out.setdefault("maximum", 2**53 - 1)
         return out
-    if strict and not (isinstance(schema, dict) and schema.get("type") == "object"):
-        raise ValueError("is strict: the schema must be an object")
     return walk(schema, "#")
 
 def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
@@ -1307,17 +1304,15 @@ def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str
     or the one named, spaced as json.dumps (as models are trained), one unless parallel. Each
     tool's $defs move to the root, named "{tool}.X": a $ref resolves from there."""
     key, lark = TOOL_CALL_FORMATS[fmt][2:]
-    calls, defs = [], {}
-    for t in tools:
-        name = t["function"]["name"]
-        if choice in ("auto", "required", name):
-            parameters = prepare_schema(t["function"].get("parameters", {"type": "object"}),
-                                        prefix=name + ".")
-            defs |= {f"{name}.{k}": v for k, v in parameters.pop("$defs", {}).items()}
-            calls.append({"type": "object", "required": ["name", key], "properties": {
-                "name": {"const": name}, key: parameters}, "additionalProperties": False})
+    tools = [t["function"] for t in tools if choice in ("auto", "required", t["function"]["name"])]
+    params = [prepare_schema(t.get("parameters", {"type": "object"}), prefix=t["name"] + ".")
+              for t in tools]
+    defs = {f"{t['name']}.{k}": d for t, p in zip(tools, params)
+            for k, d in p.pop("$defs", {}).items()}
     schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                             "item_separator": ", "}, "anyOf": calls, "$defs": defs}
+                             "item_separator": ", "}, "$defs": defs, "anyOf": [
+        {"type": "object", "required": ["name", key], "additionalProperties": False,
+         "properties": {"name": {"const": t["name"]}, key: p}} for t, p in zip(tools, params)]}
     lark = lark if parallel else lark.replace(" (SEP call)*", "")
     return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
 
@@ -1432,15 +1427,13 @@ class FrontEnd:
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
     def _compile_grammar(self, source: str, lark: bool = False) -> str:
-        """llguidance's grammar for a JSON schema (as JSON, made ready by prepare_schema; its output
-        compact, no spaces) or Lark text, checked: a ValueError says why not. Cached as `grammar`:
-        one compile per source."""
+        """llguidance's grammar for a JSON schema (as JSON, through prepare_schema; compact output)
+        or Lark text, checked: a ValueError says why not. Cached as `grammar`: one per source."""
         if self.tokenizer is None:
             raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
         grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
-            llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(prepare_schema(json.loads(source))),
-                overrides={"whitespace_flexible": False})
+            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare_schema(
+                json.loads(source))), overrides={"whitespace_flexible": False})
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
             raise ValueError(f"the schema cannot be compiled: {error}")
@@ -1877,17 +1870,12 @@ def _response_format(v, f) -> Optional[dict]:
     if not (kind in ("text", "json_object") or kind == "json_schema" and "json_schema" in v):
         raise ValueError("must be of type 'text', 'json_object' or 'json_schema' (and then have "
                          "'json_schema')")
-    schema = None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
-    if kind == "json_schema" and v["json_schema"].get("strict"):
-        prepare_schema(schema, strict=True)       # a ValueError names the rule broken
-    return schema
+    return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
 
-def _function(v, f) -> dict:
-    """A tool's function, required; with strict, its parameters follow OpenAI's strict rules."""
-    if v is None:
-        raise ValueError("is required")
-    if v.get("strict"):
-        prepare_schema(v.get("parameters", {}), strict=True)
+def _schema(v, f) -> Optional[dict]:
+    """A schema, held to OpenAI's strict-mode rules if "strict" beside it says (prepare_schema)."""
+    if v is not None and f.get("strict"):
+        prepare_schema(v, strict=True)
     return v
 
 def _tool_choice(v, f) -> Optional[str]:
@@ -1910,7 +1898,7 @@ _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an obje
     repetition_penalty=float, ignore_eos=bool, stream=bool,
     stream_options={"include_usage": bool, "include_obfuscation": bool},
     response_format=({"type": str, "json_schema": {"name": str, "description": str,
-                                                   "schema": dict, "strict": bool}},
+                                                   "schema": (dict, _schema), "strict": bool}},
                      _response_format),
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
 COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
@@ -1920,7 +1908,7 @@ CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, to
     max_completion_tokens=int, parallel_tool_calls=bool,
     tools=[{"type": str, "function": ({"name": (str, _rule(lambda v, f: re.fullmatch(
         r"[a-zA-Z0-9_-]{1,64}", v or ""), "must be 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's)")),
-        "description": str, "parameters": dict, "strict": bool}, _function)}],
+        "description": str, "parameters": (dict, _schema), "strict": bool}, _REQUIRED)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
@@ -1985,6 +1973,7 @@ _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword
 class _Shape:
     """A response, any endpoint: ids, envelopes, chunks, log-probs (clamped: JSON has no -inf)."""
     id_prefix = object = chunk_object = ""
+    hold = False          # True: one chunk per choice at its end, none before (_ChatShape's)
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs: Optional[int]):
         self.server, self.num_top_logprobs = server, num_top_logprobs
@@ -2019,6 +2008,8 @@ class _Shape:
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
             async for state in states:
+                if self.hold and state.finish_reason is None:   # all of it, at the end
+                    continue
                 d = state.take_delta()
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
@@ -2028,11 +2019,7 @@ class _Shape:
                     if choice.get("delta") != {} or choice["logprobs"]:   # tools hold back
                         yield choice | {"finish_reason": None}   # that is the last chunk's to say
                 if d.finish_reason is not None:   # (an echo not sent yet goes with it)
-                    end = self.last(state, d)
-                    if end.get("delta"):   # its news first, then the finish_reason alone, as
-                        yield end | {"finish_reason": None}   # OpenAI does: its SDK ends a
-                        end = end | {"delta": {}}              # streamed call's arguments there
-                    yield end
+                    yield self.last(state, d)
 
     def last(self, state: RequestState, d: Delta) -> dict:
         """The chunk that carries the finish_reason."""
@@ -2156,8 +2143,8 @@ class _ChatShape(_Shape):
     """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
     empty one with the finish_reason ("tool_calls" if the model called). With tools, the text is
     parsed (split_tool_calls) into content and call deltas: index, id, type, name, arguments. A
-    forced call streams the same way, unless a stop string may cut it (hold): then it is sent
-    whole at the end, or, cut, as content with "stop" (as one that max_tokens cut keeps "length")."""
+    forced call that a stop string may cut is held to its end: whole, or if cut, as text and "stop"
+    (as a call that max_tokens cut keeps "length"): a client never sees a call that is not one."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None,
@@ -2170,9 +2157,6 @@ class _ChatShape(_Shape):
         content = None if self.call_format else ""   # a call may come: null until text does
         return [{"index": i, "delta": {"role": "assistant", "content": content},
                  "logprobs": None, "finish_reason": None}]
-
-    def has_news(self, d: Delta) -> bool:       # a held call is sent whole, at the end
-        return not self.hold and super().has_news(d)
 
     def parsed_delta(self, d: Delta, final: bool) -> dict:
         """What is new in choice d.index's content and calls, from its whole text parsed again."""
@@ -2194,11 +2178,7 @@ class _ChatShape(_Shape):
     def last(self, state: RequestState, d: Delta) -> dict:
         if not self.call_format:
             return super().last(state, d)
-        if self.hold and d.finish_reason == "stop" and not _parses(state.text):   # a stop string
-            return {"index": d.index, "delta": {"content": state.text}, "logprobs": None,
-                    "finish_reason": "stop"}
-        unseen = state.text[len(self.sent.get(d.index, [""])[0]):]   # all of a held call
-        delta = self.parsed_delta(dataclasses.replace(d, text=unseen), final=True)
+        delta = self.parsed_delta(dataclasses.replace(d, text=""), final=True)
         called = d.finish_reason == "stop" and self.sent[d.index][2]
         return {"index": d.index, "delta": delta, "logprobs": None,
                 "finish_reason": "tool_calls" if called else d.finish_reason}
@@ -2206,6 +2186,11 @@ class _ChatShape(_Shape):
     def choice(self, d: Delta) -> dict:
         delta = self.parsed_delta(d, False) if self.call_format else \
             {"content": d.text} if d.token_ids else {}
+        try:            # a held call comes whole: if a stop string cut it, it is text, not a call
+            if self.hold and d.finish_reason == "stop":
+                json.loads(d.text)
+        except ValueError:
+            delta, self.sent[d.index] = {"content": d.text}, ["", 0, []]   # last: no call
         return {"index": d.index, "delta": delta,
                 "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
 
@@ -2216,13 +2201,6 @@ class _ChatShape(_Shape):
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
                             for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
-
-def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 # -- the app --
 def _reject_constant(name: str):
@@ -2378,10 +2356,9 @@ async def _error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
     (logged; the client gets one line). A 413 or 5xx closes the connection: a pool opens another."""
     if isinstance(e, HTTPException):   # an unknown path (the Agents SDK's /v1/responses): say why
-        e = APIError(e.status_code, e.detail if e.status_code != 404 else
-                     f"{request.url.path} is not served: this server speaks the Chat Completions "
-                     "API (/v1/chat/completions) and Completions (/v1/completions); the OpenAI "
-                     "Agents SDK takes set_default_openai_api('chat_completions')", code="not_found")
+        e = APIError(e.status_code, e.detail if e.status_code != 404 else f"{request.url.path} is "
+                     "not served: this server speaks /v1/chat/completions and /v1/completions (the "
+                     "OpenAI Agents SDK: set_default_openai_api('chat_completions'))")
     elif not isinstance(e, APIError):
         e = APIError(500, f"internal error: {type(e).__name__}", "internal_error")
     headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None
