@@ -1263,17 +1263,12 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}")
 
-# Keywords that OpenAI's strict mode refuses and llguidance takes (it refuses the others itself)
-_NOT_STRICT = ("allOf", "oneOf", "patternProperties", "minProperties", "maxProperties")
-
-def prepare_schema(schema, strict: bool = False, prefix: str = ""):
+def prepare_schema(schema, strict: bool = False):
     """A copy of a JSON schema, as the grammar takes it. An object that lists properties and does
     not say additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode).
-    An integer without bounds gets JSON's exact range, +-(2**53 - 1), so its digits end. Each
-    "#/$defs/X" becomes "#/$defs/{prefix}X" (tool_call_grammar moves every tool's $defs to one
-    root). With strict, a schema that breaks OpenAI's strict-mode rules is a ValueError naming
-    the rule and where: every object lists all its properties in required, says
-    additionalProperties false, and uses none of _NOT_STRICT."""
+    An integer without bounds gets JSON's exact range, +-(2**53 - 1), so its digits end. With
+    strict, OpenAI's two rules for objects hold, or a ValueError names the one broken (llguidance
+    refuses the keywords it lacks itself, naming them)."""
     def walk(node, path: str, names: bool = False):
         if isinstance(node, list):
             return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
@@ -1283,16 +1278,12 @@ def prepare_schema(schema, strict: bool = False, prefix: str = ""):
             return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
         out = {k: v if k in ("const", "enum", "default", "examples") else   # values, not schemas
                walk(v, f"{path}/{k}", k in ("properties", "$defs")) for k, v in node.items()}
-        if isinstance(out.get("$ref"), str):
-            out["$ref"] = out["$ref"].replace("#/$defs/", "#/$defs/" + prefix, 1)
         if isinstance(out.get("properties"), dict):
             if strict and out.get("additionalProperties") is not False:
                 raise ValueError(f"is strict: an object needs additionalProperties false ({path})")
             if strict and set(out["properties"]) - set(out.get("required", [])):
                 raise ValueError(f"is strict: every property must be in required ({path})")
             out.setdefault("additionalProperties", False)
-        if strict and (bad := [k for k in _NOT_STRICT if k in out]):
-            raise ValueError(f"is strict: {bad[0]!r} is not supported there ({path})")
         if out.get("type") == "integer":   # an exclusive bound beside one still holds
             out.setdefault("minimum", -2**53 + 1)
             out.setdefault("maximum", 2**53 - 1)
@@ -1305,8 +1296,8 @@ def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str
     tool's $defs move to the root, named "{tool}.X": a $ref resolves from there."""
     key, lark = TOOL_CALL_FORMATS[fmt][2:]
     tools = [t["function"] for t in tools if choice in ("auto", "required", t["function"]["name"])]
-    params = [prepare_schema(t.get("parameters", {"type": "object"}), prefix=t["name"] + ".")
-              for t in tools]
+    params = [json.loads(json.dumps(prepare_schema(t.get("parameters", {"type": "object"})))
+              .replace('"$ref": "#/$defs/', f'"$ref": "#/$defs/{t["name"]}.')) for t in tools]
     defs = {f"{t['name']}.{k}": d for t, p in zip(tools, params)
             for k, d in p.pop("$defs", {}).items()}
     schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
@@ -2035,12 +2026,11 @@ class _Shape:
                     await write(f"{head}{_to_json(choice)}]}}")
                 if include_usage:
                     await write(_to_json(self.envelope(self.chunk_object, [], usage=True)))
-            except APIError as e:
+            except Exception as e:            # an APIError as it is; a bug logged, in one line
+                if not isinstance(e, APIError):
+                    traceback.print_exc()
+                    e = APIError(500, f"internal error: {e!r}", "internal_error")
                 await write(_to_json(e.body))
-            except Exception as e:
-                traceback.print_exc()
-                error = APIError(500, f"internal error: {e!r}", "internal_error")
-                await write(_to_json(error.body))
         await write("[DONE]")
 
     async def body(self, chunks, request: Request) -> Optional[dict]:
@@ -2147,10 +2137,9 @@ class _ChatShape(_Shape):
     (as a call that max_tokens cut keeps "length"): a client never sees a call that is not one."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None,
-                 hold=False):
+    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
-        self.call_format, self.hold = call_format, hold  # a TOOL_CALL_FORMATS entry; None: no calls
+        self.call_format = call_format    # a TOOL_CALL_FORMATS entry; None: no calls
         self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
 
     def opening(self, i: int) -> list:
@@ -2285,8 +2274,8 @@ class OpenAIServer:
             grammar = await self._grammar(f.get("response_format"), "response_format")
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
-        shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt],
-                           hold=fmt == "json" and bool(f["stop"]))
+        shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt])
+        shape.hold = fmt == "json" and bool(f["stop"])   # a stop string may cut a forced call
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
@@ -2356,9 +2345,8 @@ async def _error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
     (logged; the client gets one line). A 413 or 5xx closes the connection: a pool opens another."""
     if isinstance(e, HTTPException):   # an unknown path (the Agents SDK's /v1/responses): say why
-        e = APIError(e.status_code, e.detail if e.status_code != 404 else f"{request.url.path} is "
-                     "not served: this server speaks /v1/chat/completions and /v1/completions (the "
-                     "OpenAI Agents SDK: set_default_openai_api('chat_completions'))")
+        e = APIError(e.status_code, e.detail if e.status_code != 404 else f"{request.url.path} "
+                     "is not served: this server speaks /v1/chat/completions and /v1/completions")
     elif not isinstance(e, APIError):
         e = APIError(500, f"internal error: {type(e).__name__}", "internal_error")
     headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None

@@ -1967,7 +1967,8 @@ def test_schema_without_additional_properties_gets_none(client, engine):
     number = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     for schema, text, ok in [(city, '{"city":"Oslo"}', True),
                              (city, '{"city":"Oslo","x":1}', False),
-                             ({**city, "additionalProperties": True}, '{"city":"Oslo","x":1}', True),
+                             ({**city, "additionalProperties": True},
+                              '{"city":"Oslo","x":1}', True),
                              (number, '{"n":-9007199254740991}', True),
                              (number, '{"n":%s}' % ("1" * 17), False)]:
         matcher = llguidance.LLMatcher(tokenizer, engine.front.grammar(json.dumps(schema)))
@@ -1986,9 +1987,10 @@ def test_strict_schema_that_breaks_a_rule_is_a_400(server):
     """strict: true follows OpenAI's rules, in response_format and in tools: a schema that
     breaks one gets a 400 that names the rule (PERSON, which keeps them, passes elsewhere)."""
     loose = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    closed = {**loose, "additionalProperties": False}
     for schema, words in [(loose, "additionalProperties false"),
-                          ({**loose, "additionalProperties": False, "required": []}, "required"),
-                          ({**loose, "additionalProperties": False, "allOf": [{}]}, "'allOf'")]:
+                          ({**closed, "required": []}, "required"),
+                          ({**closed, "properties": {"a": loose}}, "(#/properties/a)")]:
         for fields, param in [
                 ({"response_format": {"type": "json_schema", "json_schema": {
                     "name": "x", "schema": schema, "strict": True}}},
@@ -2005,14 +2007,19 @@ def test_strict_schema_that_breaks_a_rule_is_a_400(server):
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": loose}}})
     assert r.status_code == 200, r.text
+    unique = {**closed, "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={   # a keyword it lacks
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": unique, "strict": True}}})
+    assert "uniqueItems" in assert_error(r, 400)["message"]
 
 
 def test_responses_api_gets_an_error_that_says_why(server, client):
     """The Responses API (the OpenAI Agents SDK's default) is not served: a 404 in OpenAI's
-    shape that names what is, and the Agents SDK's switch to chat completions."""
+    shape that names what is (the README shows the Agents SDK's switch to chat completions)."""
     r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=30)
     error = assert_error(r, 404)
-    assert "/v1/chat/completions" in error["message"] and "chat_completions" in error["message"]
+    assert "/v1/chat/completions" in error["message"] and "/v1/responses" in error["message"]
     with pytest.raises(APIStatusError) as e:
         client.responses.create(model=MODEL, input="hi")
     assert e.value.status_code == 404 and "/v1/chat/completions" in e.value.message
