@@ -711,6 +711,25 @@ def test_bad_input_is_a_clear_value_error(smol_llm, tmp_path):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_hub_copy_of_the_default_model_gets_its_own_folder(tmp_path, monkeypatch):
+    """HuggingFaceTB/SmolLM2-135M-Instruct shares its NAME with the default model's folder, which
+    holds the 4-bit rebuild: it goes to NAME-hub, never "complete, nothing to do" (a fake hub)."""
+    hub = pytest.importorskip("huggingface_hub")
+    (tmp_path / download.DEFAULT_NAME).mkdir()             # the rebuild is there already
+    fetched = []
+
+    def snapshot_download(repo_id, local_dir, allow_patterns):
+        fetched.append(repo_id)
+        os.makedirs(local_dir)
+        open(os.path.join(local_dir, "model.safetensors"), "wb").close()
+
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    out = download.download("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path)
+    assert out == tmp_path / "SmolLM2-135M-Instruct-hub" and (out / "model.safetensors").is_file()
+    assert fetched == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert download.download("meta-llama/Llama-3.2-1B", tmp_path) == tmp_path / "Llama-3.2-1B"
+
+
 # ---------------------------------------------------------------------------
 # Paged-attention kernels against their torch references. On CPU they run in
 # the Triton interpreter (fp32); on a GPU also in bf16.
