@@ -1264,11 +1264,10 @@ class ChatTemplate:
             raise ValueError(f"the chat template rejected the messages: {e}")
 
 def prepare_schema(schema, strict: bool = False):
-    """A copy of a JSON schema, as the grammar takes it. An object that lists properties and does
-    not say additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode).
-    An integer without bounds gets JSON's exact range, +-(2**53 - 1), so its digits end. With
-    strict, OpenAI's two rules for objects hold, or a ValueError names the one broken (llguidance
-    refuses the keywords it lacks itself, naming them)."""
+    """A copy of a JSON schema for the grammar. An object that lists properties and does not say
+    additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode). An
+    integer without bounds gets JSON's exact range, so its digits end. With strict, OpenAI's two
+    rules for objects hold, or a ValueError names the one broken (llguidance names keywords)."""
     def walk(node, path: str, names: bool = False):
         if isinstance(node, list):
             return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
@@ -1284,24 +1283,22 @@ def prepare_schema(schema, strict: bool = False):
             if strict and set(out["properties"]) - set(out.get("required", [])):
                 raise ValueError(f"is strict: every property must be in required ({path})")
             out.setdefault("additionalProperties", False)
-        if out.get("type") == "integer":   # an exclusive bound beside one still holds
-            out.setdefault("minimum", -2**53 + 1)
-            out.setdefault("maximum", 2**53 - 1)
+        if out.get("type") == "integer":   # its own bounds win (an exclusive one holds beside)
+            out = {"minimum": -2**53 + 1, "maximum": 2**53 - 1} | out
         return out
     return walk(schema, "#")
 
 def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
-    or the one named, spaced as json.dumps (as models are trained), one unless parallel. Each
-    tool's $defs move to the root, named "{tool}.X": a $ref resolves from there."""
+    or the one named, spaced as json.dumps (as models are trained), one unless parallel. Tool
+    i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there."""
     key, lark = TOOL_CALL_FORMATS[fmt][2:]
     tools = [t["function"] for t in tools if choice in ("auto", "required", t["function"]["name"])]
     params = [json.loads(json.dumps(prepare_schema(t.get("parameters", {"type": "object"})))
-              .replace('"$ref": "#/$defs/', f'"$ref": "#/$defs/{t["name"]}.')) for t in tools]
-    defs = {f"{t['name']}.{k}": d for t, p in zip(tools, params)
-            for k, d in p.pop("$defs", {}).items()}
+              .replace('"$ref": "#', f'"$ref": "#/anyOf/{i}/properties/{key}'))
+              for i, t in enumerate(tools)]
     schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                             "item_separator": ", "}, "$defs": defs, "anyOf": [
+                             "item_separator": ", "}, "anyOf": [
         {"type": "object", "required": ["name", key], "additionalProperties": False,
          "properties": {"name": {"const": t["name"]}, key: p}} for t, p in zip(tools, params)]}
     lark = lark if parallel else lark.replace(" (SEP call)*", "")
@@ -2133,8 +2130,7 @@ class _ChatShape(_Shape):
     """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
     empty one with the finish_reason ("tool_calls" if the model called). With tools, the text is
     parsed (split_tool_calls) into content and call deltas: index, id, type, name, arguments. A
-    forced call that a stop string may cut is held to its end: whole, or if cut, as text and "stop"
-    (as a call that max_tokens cut keeps "length"): a client never sees a call that is not one."""
+    forced call that a stop string may cut is held to its end: whole, or if cut, text and "stop"."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
