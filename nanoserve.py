@@ -1851,6 +1851,8 @@ def _rule(ok, why: str):
     return rule
 
 _REQUIRED = _rule(lambda v, f: v is not None, "is required")
+# where the "strict" beside it asks, prepare_schema names the strict-mode rule a schema breaks
+_STRICT = _rule(lambda v, f: not (v and f.get("strict")) or bool(prepare_schema(v, True)), "")
 
 def _response_format(v, f) -> Optional[dict]:
     """The JSON schema that response_format asks the output to match, if any."""
@@ -1859,12 +1861,6 @@ def _response_format(v, f) -> Optional[dict]:
         raise ValueError("must be of type 'text', 'json_object' or 'json_schema' (and then have "
                          "'json_schema')")
     return None if kind == "text" else v.get("json_schema", {}).get("schema", {"type": "object"})
-
-def _schema(v, f) -> Optional[dict]:
-    """A schema, held to OpenAI's strict-mode rules if "strict" beside it says (prepare_schema)."""
-    if v is not None and f.get("strict"):
-        prepare_schema(v, strict=True)
-    return v
 
 def _tool_choice(v, f) -> Optional[str]:
     """None (no call), "auto" (the model decides: the default with tools), "required" (a call of
@@ -1886,7 +1882,7 @@ _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an obje
     repetition_penalty=float, ignore_eos=bool, stream=bool,
     stream_options={"include_usage": bool, "include_obfuscation": bool},
     response_format=({"type": str, "json_schema": {"name": str, "description": str,
-                                                   "schema": (dict, _schema), "strict": bool}},
+                                                   "schema": (dict, _STRICT), "strict": bool}},
                      _response_format),
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
 COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
@@ -1896,7 +1892,7 @@ CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, to
     max_completion_tokens=int, parallel_tool_calls=bool,
     tools=[{"type": str, "function": ({"name": (str, _rule(lambda v, f: re.fullmatch(
         r"[a-zA-Z0-9_-]{1,64}", v or ""), "must be 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's)")),
-        "description": str, "parameters": (dict, _schema), "strict": bool}, _REQUIRED)}],
+        "description": str, "parameters": (dict, _STRICT), "strict": bool}, _REQUIRED)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
@@ -1960,8 +1956,7 @@ _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword
 
 class _Shape:
     """A response, any endpoint: ids, envelopes, chunks, log-probs (clamped: JSON has no -inf)."""
-    id_prefix = object = chunk_object = ""
-    hold = False          # True: one chunk per choice at its end, none before (_ChatShape's)
+    id_prefix, object, chunk_object, hold = "", "", "", False  # hold: all at the end (_ChatShape)
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs: Optional[int]):
         self.server, self.num_top_logprobs = server, num_top_logprobs
