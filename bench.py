@@ -1777,7 +1777,8 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
     for mode, flags in SIZE_FLAGS.items():
-        summary = MODES[mode].__doc__.split("\n")[0].replace("%", "%%")   # argparse formats help
+        # the docstring's first paragraph, whole: argparse formats help (%), and wraps it
+        summary = " ".join(MODES[mode].__doc__.split("\n\n")[0].split()).replace("%", "%%")
         p = sub.add_parser(mode, parents=[common], help=summary)
         for name, kind, gpu, cpu, text in flags:
             default = "" if gpu is None else f" (default {gpu} on cuda, {cpu} on cpu)"

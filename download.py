@@ -18,7 +18,9 @@ generation_config.json. This file makes such a folder in one of two ways.
   merges stored in the GGUF metadata.
 - ORG/NAME: a safetensors checkpoint from the Hugging Face hub, e.g.
   meta-llama/Llama-3.2-1B, into weights/NAME/. The token comes from HF_TOKEN
-  or the hub's saved login.
+  or the hub's saved login. HuggingFaceTB/SmolLM2-135M-Instruct, whose NAME
+  is the default model's folder, goes to weights/SmolLM2-135M-Instruct-hub/:
+  its own weights, not the 4-bit rebuild.
 
 Left out on purpose: other GGUF files or architectures than llama, revisions
 other than main, and any format but safetensors (no .bin or .pth).
@@ -27,6 +29,7 @@ Run (from the repo root; weights/ is gitignored):
 
     python download.py                          # weights/SmolLM2-135M-Instruct
     python download.py meta-llama/Llama-3.2-1B  # weights/Llama-3.2-1B
+    python download.py HuggingFaceTB/SmolLM2-135M-Instruct   # weights/SmolLM2-135M-Instruct-hub
 
 From code: `download()` returns the model folder and raises DownloadError,
 whose message is one line meant for the user.
@@ -413,12 +416,14 @@ def hub_error(repo_id: str, e: Exception) -> str | None:
 
 
 def download_hub(repo_id: str, root: Path) -> Path:
-    """weights/NAME for the hub repo ORG/NAME, safetensors only."""
+    """weights/NAME for the hub repo ORG/NAME, safetensors only; NAME-hub
+    where NAME is the default model's folder, which holds its 4-bit rebuild."""
     from huggingface_hub import snapshot_download
 
     org, _, name = repo_id.partition("/")
     if not org or not name or "/" in name:
         raise DownloadError(f"expected ORG/NAME, got {repo_id!r}")
+    name = f"{name}-hub" if name == DEFAULT_NAME else name
     out = root / name
     if out.is_dir():
         print(f"{out} is complete, nothing to do")

@@ -1358,16 +1358,44 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}")
 
+def prepare_schema(schema, strict: bool = False):
+    """A copy of a JSON schema for the grammar. An object that lists properties and does not say
+    additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode). An
+    integer without bounds gets JSON's exact range, so its digits end. With strict, OpenAI's two
+    rules for objects hold, or a ValueError names the one broken (llguidance names keywords)."""
+    def walk(node, path: str, names: bool = False):
+        if isinstance(node, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        if names:                             # properties, $defs: each name's schema
+            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
+        out = {k: v if k in ("const", "enum", "default", "examples") else   # values, not schemas
+               walk(v, f"{path}/{k}", k in ("properties", "$defs")) for k, v in node.items()}
+        if isinstance(out.get("properties"), dict):
+            if strict and out.get("additionalProperties") is not False:
+                raise ValueError(f"is strict: an object needs additionalProperties false ({path})")
+            if strict and set(out["properties"]) - set(out.get("required", [])):
+                raise ValueError(f"is strict: every property must be in required ({path})")
+            out.setdefault("additionalProperties", False)
+        if out.get("type") == "integer":   # its own bounds win (an exclusive one holds beside)
+            out = {"minimum": -2**53 + 1, "maximum": 2**53 - 1} | out
+        return out
+    return walk(schema, "#")
+
 def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
-    or the one named, spaced as json.dumps (as models are trained), one unless parallel."""
+    or the one named, spaced as json.dumps (as models are trained), one unless parallel. Tool
+    i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there."""
     key, lark = TOOL_CALL_FORMATS[fmt][2:]
+    tools = [t["function"] for t in tools if choice in ("auto", "required", t["function"]["name"])]
+    params = [json.loads(json.dumps(prepare_schema(t.get("parameters", {"type": "object"})))
+              .replace('"$ref": "#', f'"$ref": "#/anyOf/{i}/properties/{key}'))
+              for i, t in enumerate(tools)]
     schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
                              "item_separator": ", "}, "anyOf": [
         {"type": "object", "required": ["name", key], "additionalProperties": False,
-         "properties": {"name": {"const": t["function"]["name"]},
-                        key: t["function"].get("parameters", {"type": "object"})}}
-        for t in tools if choice in ("auto", "required", t["function"]["name"])]}
+         "properties": {"name": {"const": t["name"]}, key: p}} for t, p in zip(tools, params)]}
     lark = lark if parallel else lark.replace(" (SEP call)*", "")
     return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
 
@@ -1482,13 +1510,13 @@ class FrontEnd:
         self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
 
     def _compile_grammar(self, source: str, lark: bool = False) -> str:
-        """llguidance's grammar for a JSON schema (as JSON; its output compact, no spaces) or Lark
-        text, checked: a ValueError says why not. Cached as `grammar`: one compile per source."""
+        """llguidance's grammar for a JSON schema (as JSON, through prepare_schema; compact output)
+        or Lark text, checked: a ValueError says why not. Cached as `grammar`: one per source."""
         if self.tokenizer is None:
             raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
         grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
-            llguidance.LLMatcher.grammar_from_json_schema(
-                source, overrides={"whitespace_flexible": False})
+            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare_schema(
+                json.loads(source))), overrides={"whitespace_flexible": False})
         error = llguidance.LLMatcher.validate_grammar(grammar)
         if error:
             raise ValueError(f"the schema cannot be compiled: {error}")
@@ -1918,6 +1946,8 @@ def _rule(ok, why: str):
     return rule
 
 _REQUIRED = _rule(lambda v, f: v is not None, "is required")
+# where the "strict" beside it asks, prepare_schema names the strict-mode rule a schema breaks
+_STRICT = _rule(lambda v, f: not (v and f.get("strict")) or bool(prepare_schema(v, True)), "")
 
 def _response_format(v, f) -> Optional[dict]:
     """The JSON schema that response_format asks the output to match, if any."""
@@ -1947,7 +1977,7 @@ _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an obje
     repetition_penalty=float, ignore_eos=bool, stream=bool,
     stream_options={"include_usage": bool, "include_obfuscation": bool},
     response_format=({"type": str, "json_schema": {"name": str, "description": str,
-                                                   "schema": dict, "strict": bool}},
+                                                   "schema": (dict, _STRICT), "strict": bool}},
                      _response_format),
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
 COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
@@ -1957,7 +1987,7 @@ CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, to
     max_completion_tokens=int, parallel_tool_calls=bool,
     tools=[{"type": str, "function": ({"name": (str, _rule(lambda v, f: re.fullmatch(
         r"[a-zA-Z0-9_-]{1,64}", v or ""), "must be 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's)")),
-        "description": str, "parameters": dict, "strict": bool}, _REQUIRED)}],
+        "description": str, "parameters": (dict, _STRICT), "strict": bool}, _REQUIRED)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
@@ -2021,7 +2051,7 @@ _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword
 
 class _Shape:
     """A response, any endpoint: ids, envelopes, chunks, log-probs (clamped: JSON has no -inf)."""
-    id_prefix = object = chunk_object = ""
+    id_prefix, object, chunk_object, hold = "", "", "", False  # hold: all at the end (_ChatShape)
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs: Optional[int]):
         self.server, self.num_top_logprobs = server, num_top_logprobs
@@ -2056,6 +2086,8 @@ class _Shape:
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
             async for state in states:
+                if self.hold and state.finish_reason is None:   # all of it, at the end
+                    continue
                 d = state.take_delta()
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
@@ -2081,12 +2113,11 @@ class _Shape:
                     await write(f"{head}{_to_json(choice)}]}}")
                 if include_usage:
                     await write(_to_json(self.envelope(self.chunk_object, [], usage=True)))
-            except APIError as e:
+            except Exception as e:            # an APIError as it is; a bug logged, in one line
+                if not isinstance(e, APIError):
+                    traceback.print_exc()
+                    e = APIError(500, f"internal error: {e!r}", "internal_error")
                 await write(_to_json(e.body))
-            except Exception as e:
-                traceback.print_exc()
-                error = APIError(500, f"internal error: {e!r}", "internal_error")
-                await write(_to_json(error.body))
         await write("[DONE]")
 
     async def body(self, chunks, request: Request) -> Optional[dict]:
@@ -2188,7 +2219,8 @@ class _CompletionShape(_Shape):
 class _ChatShape(_Shape):
     """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
     empty one with the finish_reason ("tool_calls" if the model called). With tools, the text is
-    parsed (split_tool_calls) into content and call deltas: index, id, type, name, arguments."""
+    parsed (split_tool_calls) into content and call deltas: index, id, type, name, arguments. A
+    forced call that a stop string may cut is held to its end: whole, or if cut, text and "stop"."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
@@ -2200,9 +2232,6 @@ class _ChatShape(_Shape):
         content = None if self.call_format else ""   # a call may come: null until text does
         return [{"index": i, "delta": {"role": "assistant", "content": content},
                  "logprobs": None, "finish_reason": None}]
-
-    def has_news(self, d: Delta) -> bool:       # a forced call is sent whole, at the end
-        return self.call_format is not TOOL_CALL_FORMATS["json"] and super().has_news(d)
 
     def parsed_delta(self, d: Delta, final: bool) -> dict:
         """What is new in choice d.index's content and calls, from its whole text parsed again."""
@@ -2224,8 +2253,7 @@ class _ChatShape(_Shape):
     def last(self, state: RequestState, d: Delta) -> dict:
         if not self.call_format:
             return super().last(state, d)
-        unseen = state.text[len(self.sent.get(d.index, [""])[0]):]   # all of a forced call
-        delta = self.parsed_delta(dataclasses.replace(d, text=unseen), final=True)
+        delta = self.parsed_delta(dataclasses.replace(d, text=""), final=True)
         called = d.finish_reason == "stop" and self.sent[d.index][2]
         return {"index": d.index, "delta": delta, "logprobs": None,
                 "finish_reason": "tool_calls" if called else d.finish_reason}
@@ -2233,6 +2261,11 @@ class _ChatShape(_Shape):
     def choice(self, d: Delta) -> dict:
         delta = self.parsed_delta(d, False) if self.call_format else \
             {"content": d.text} if d.token_ids else {}
+        try:            # a held call comes whole: if a stop string cut it, it is text, not a call
+            if self.hold and d.finish_reason == "stop":
+                json.loads(d.text)
+        except ValueError:
+            delta, self.sent[d.index] = {"content": d.text}, ["", 0, []]   # last: no call
         return {"index": d.index, "delta": delta,
                 "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
 
@@ -2328,6 +2361,7 @@ class OpenAIServer:
         params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
                                        num_top, grammar=grammar)
         shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt])
+        shape.hold = fmt == "json" and bool(f["stop"])   # a stop string may cut a forced call
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _read(self, request: Request) -> dict:
@@ -2396,8 +2430,9 @@ class OpenAIServer:
 async def _error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
     (logged; the client gets one line). A 413 or 5xx closes the connection: a pool opens another."""
-    if isinstance(e, HTTPException):
-        e = APIError(e.status_code, e.detail)
+    if isinstance(e, HTTPException):   # an unknown path (the Agents SDK's /v1/responses): say why
+        e = APIError(e.status_code, e.detail if e.status_code != 404 else f"{request.url.path} "
+                     "is not served: this server speaks /v1/chat/completions and /v1/completions")
     elif not isinstance(e, APIError):
         e = APIError(500, f"internal error: {type(e).__name__}", "internal_error")
     headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None

@@ -832,6 +832,25 @@ def test_bad_input_is_a_clear_value_error(smol_llm, tmp_path):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_hub_copy_of_the_default_model_gets_its_own_folder(tmp_path, monkeypatch):
+    """HuggingFaceTB/SmolLM2-135M-Instruct shares its NAME with the default model's folder, which
+    holds the 4-bit rebuild: it goes to NAME-hub, never "complete, nothing to do" (a fake hub)."""
+    hub = pytest.importorskip("huggingface_hub")
+    (tmp_path / download.DEFAULT_NAME).mkdir()             # the rebuild is there already
+    fetched = []
+
+    def snapshot_download(repo_id, local_dir, allow_patterns):
+        fetched.append(repo_id)
+        os.makedirs(local_dir)
+        open(os.path.join(local_dir, "model.safetensors"), "wb").close()
+
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    out = download.download("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path)
+    assert out == tmp_path / "SmolLM2-135M-Instruct-hub" and (out / "model.safetensors").is_file()
+    assert fetched == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert download.download("meta-llama/Llama-3.2-1B", tmp_path) == tmp_path / "Llama-3.2-1B"
+
+
 # ---------------------------------------------------------------------------
 # Paged-attention kernels against their torch references. On CPU they run in
 # the Triton interpreter (fp32); on a GPU also in bf16.
@@ -1992,9 +2011,9 @@ def test_forced_tool_calls(client):
         args = check_weather_call(call, name or call.function.name)
         print(choice, "->", call.function.name, args)
         chunks = list(client.chat.completions.create(stream=True, **kw))
-        calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
-        assert len(calls) == 1 and calls[0].function.name == call.function.name
-        assert json.loads(calls[0].function.arguments) == args
+        deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert {tc.index for tc in deltas} == {0} and deltas[0].function.name == call.function.name
+        assert json.loads("".join(tc.function.arguments for tc in deltas)) == args  # one call
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     # earlier calls and their results go through the chat template
@@ -2003,6 +2022,148 @@ def test_forced_tool_calls(client):
     r = client.chat.completions.create(model=MODEL, messages=turns, tools=[WEATHER],
                                        tool_choice="none", temperature=0, max_tokens=8)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_forced_tool_call_streams_its_arguments(client):
+    """A forced call streams as OpenAI's does: its name first, then its arguments in pieces as
+    they are generated, then the finish_reason in a chunk of its own, on which the OpenAI SDK's
+    stream helper fires tool_calls.function.arguments.done (it never did for a whole call)."""
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        with client.chat.completions.stream(
+                model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                tools=[WEATHER, TIME], tool_choice=choice, temperature=0, max_tokens=60) as s:
+            events = list(s)
+        pieces = [e.arguments_delta for e in events
+                  if e.type == "tool_calls.function.arguments.delta"]
+        [done] = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+        print(choice, "->", pieces)
+        assert len(pieces) > 3 and "".join(pieces) == done.arguments
+        check_weather_call(types.SimpleNamespace(type="function", id="call_", function=done),
+                           done.name)
+        last = [e.chunk.choices[0] for e in events if e.type == "chunk"][-1]
+        assert last.finish_reason == "tool_calls" and last.delta.tool_calls is None
+
+
+def test_stop_string_inside_a_forced_call(client):
+    """A stop string that cuts a forced call leaves text, not a call: finish_reason "stop" and
+    the text as content, streamed and not (a call that max_tokens cuts keeps "length"). One
+    that never matches leaves the whole call, sent at the end."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+              tools=[WEATHER], tool_choice={"type": "function", "function": {
+                  "name": "get_weather"}}, temperature=0, max_tokens=60)
+    r = client.chat.completions.create(stop=["Paris"], **kw).choices[0]
+    assert r.finish_reason == "stop" and r.message.tool_calls is None
+    assert r.message.content == '{"name": "get_weather", "arguments": {"city": "', r.message
+    text, chunks = stream_chat(client, stop=["Paris"], **kw)
+    assert text == r.message.content and chunks[-1].choices[0].finish_reason == "stop"
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    r = client.chat.completions.create(stop=["zzz"], **kw).choices[0]
+    assert r.finish_reason == "tool_calls" and check_weather_call(r.message.tool_calls[0])
+
+
+def test_tool_parameters_with_defs(client, engine):
+    """Tools whose parameters are nested pydantic models ($defs and $ref, two tools with a
+    model of the same name): the grammar resolves each tool's own $defs, and a forced call
+    comes back valid against its model."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+
+    class Trip(pydantic.BaseModel):
+        origin: City
+        destination: City
+
+    class Other(pydantic.BaseModel):      # another "City", with other fields
+        class City(pydantic.BaseModel):
+            zone: int = pydantic.Field(ge=0, le=9)
+        city: City
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": m.model_json_schema()}}
+             for n, m in (("plan_trip", Trip), ("other", Other))]
+    assert "$defs" in tools[0]["function"]["parameters"]
+    grammar = engine.front.grammar(ns.tool_call_grammar("json", tools, "required", True), True)
+    tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"))
+    for text, ok in [('{"name": "other", "arguments": {"city": {"zone": 3}}}', True),
+                     ('{"name": "other", "arguments": {"city": {"name": "Oslo"}}}', False)]:
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        assert (matcher.consume_tokens(tokenizer.tokenize_str(text))
+                and matcher.is_accepting()) == ok, text
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Plan a trip from Paris to Rome."}],
+        tools=tools, tool_choice={"type": "function", "function": {"name": "plan_trip"}},
+        temperature=0, max_tokens=80).choices[0]
+    print(r.message.tool_calls)
+    assert r.finish_reason == "tool_calls"
+    Trip.model_validate_json(r.message.tool_calls[0].function.arguments)
+
+
+def test_schema_without_additional_properties_gets_none(client, engine):
+    """An object that lists properties and does not say additionalProperties gets none, as in
+    vLLM's default backend; true still allows more. An integer without bounds ends within
+    JSON's exact range. The README's example, served, ends in "stop" with its one key."""
+    tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"))
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    number = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for schema, text, ok in [(city, '{"city":"Oslo"}', True),
+                             (city, '{"city":"Oslo","x":1}', False),
+                             ({**city, "additionalProperties": True},
+                              '{"city":"Oslo","x":1}', True),
+                             (number, '{"n":-9007199254740991}', True),
+                             (number, '{"n":%s}' % ("1" * 17), False)]:
+        matcher = llguidance.LLMatcher(tokenizer, engine.front.grammar(json.dumps(schema)))
+        assert (matcher.consume_tokens(tokenizer.tokenize_str(text))
+                and matcher.is_accepting()) == ok, (schema, text)
+    readme = {**city, "required": ["city"]}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a city, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": readme}},
+        temperature=0, max_tokens=30).choices[0]
+    print(r.message.content)
+    assert r.finish_reason == "stop" and set(json.loads(r.message.content)) == {"city"}
+
+
+def test_strict_schema_that_breaks_a_rule_is_a_400(server):
+    """strict: true follows OpenAI's rules, in response_format and in tools: a schema that
+    breaks one gets a 400 that names the rule (PERSON, which keeps them, passes elsewhere)."""
+    loose = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    closed = {**loose, "additionalProperties": False}
+    for schema, words in [(loose, "additionalProperties false"),
+                          ({**closed, "required": []}, "required"),
+                          ({**closed, "properties": {"a": loose}}, "(#/properties/a)")]:
+        for fields, param in [
+                ({"response_format": {"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": schema, "strict": True}}},
+                 "response_format.json_schema.schema"),
+                ({"tools": [{"type": "function", "function": {
+                    "name": "f", "parameters": schema, "strict": True}}]},
+                 "tools[0].function.parameters")]:
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+            error = assert_error(r, 400)
+            assert error["param"] == param and "strict" in error["message"], error
+            assert words in error["message"], (words, error)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={   # not strict: fine
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": loose}}})
+    assert r.status_code == 200, r.text
+    unique = {**closed, "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={   # a keyword it lacks
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": unique, "strict": True}}})
+    assert "uniqueItems" in assert_error(r, 400)["message"]
+
+
+def test_responses_api_gets_an_error_that_says_why(server, client):
+    """The Responses API (the OpenAI Agents SDK's default) is not served: a 404 in OpenAI's
+    shape that names what is (the README shows the Agents SDK's switch to chat completions)."""
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=30)
+    error = assert_error(r, 404)
+    assert "/v1/chat/completions" in error["message"] and "/v1/responses" in error["message"]
+    with pytest.raises(APIStatusError) as e:
+        client.responses.create(model=MODEL, input="hi")
+    assert e.value.status_code == 404 and "/v1/chat/completions" in e.value.message
 
 
 # -- tool_choice "auto": each format's parser, and calls kept valid by the grammar --
