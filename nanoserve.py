@@ -757,7 +757,7 @@ class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.workers = pa.start_workers(cfg, ModelRunner)   # ranks 1..N-1 (Engine core process)
-        with pa.stopped_on_error(self.workers):   # tensor parallelism: nothing at one GPU
+        with pa.stopped_on_error(self.workers):   # tensor parallelism: a failed start stops them
             self.use_cuda = self.device.type == "cuda"
             if self.device.type == "cpu":    # here, where the step loop runs, not in the server
                 pa.set_cpu_threads(cfg.num_threads)
@@ -1077,7 +1077,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
-        self.committed: list = []          # what this step read back (fail_running keeps it)
+        self.committed: list = []          # the outputs step's _commit made (fail_running too)
         self.num_generated_tokens = 0                      # for /metrics
 
     def add_request(self, request: EngineCoreRequest):
@@ -1614,7 +1614,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
                 outputs += core.fail_running(e)
-                pa.exit_on_failed_step(core.runner.workers)   # tensor parallelism: the ranks differ
+                pa.exit_on_failed_step(core.runner.workers)   # tensor parallelism: out of step
         sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
 
 # -- tensor parallelism: the engine core is rank 0, pa.start_workers runs ranks 1..N-1 --
