@@ -17,6 +17,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import sys
@@ -2623,8 +2624,9 @@ def test_tensor_parallel_ctrl_c_exits_quietly():
                 time.sleep(0.1)                                          # a resource tracker
                 with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                     children = [int(pid) for pid in f.read().split()]
-            if when == "generating":
-                proc.stdout.read(1)                  # the first character of the completion
+            if when == "generating":                # the first character of the completion
+                assert select.select([proc.stdout], [], [], 120)[0], "nothing generated"
+                proc.stdout.read(1)
             os.killpg(proc.pid, signal.SIGINT)
             sent = time.time()
             code = proc.wait(timeout=30)
