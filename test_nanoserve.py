@@ -317,7 +317,6 @@ def test_failed_step_keeps_the_waiting_sequences(smol_llm):
     check_pool_is_free(engine)
 
 
-
 def test_failed_sample_keeps_what_the_step_read_back(smol_llm, monkeypatch):
     """A step reads the previous step's tokens back before it samples its own. If sampling
     raises, a request that the read-back finished (A, one token) still ends as it should; only
@@ -2117,7 +2116,6 @@ def test_structured_output_bad_input_is_a_400(server):
         idle["nanoserve_generated_tokens_total"]
 
 
-
 def test_tokenizer_larger_than_the_vocab_is_a_400(server, engine, monkeypatch):
     """llguidance builds no matcher when the tokenizer has more tokens than the model's
     vocab_size ("vocab size too small"): the server says so at validation, with a 400, rather
@@ -2496,7 +2494,6 @@ def test_tensor_parallel_engine_core_and_worker_death(smol_llm):
     finally:
         srv.stop()
         client.shutdown()
-
 
 
 
