@@ -1679,7 +1679,8 @@ class TensorParallelWorkers:
         self.exit_on_death = backend == "nccl"
         self.close = multiprocessing.util.Finalize(
             self, _close_workers, (self.pipes, self.procs, self.closed), exitpriority=100)
-        threading.Thread(target=_watch, args=(weakref.ref(self), self.closed),
+        sentinels = [p.sentinel for p in self.procs]
+        threading.Thread(target=_watch, args=(weakref.ref(self), sentinels, self.closed),
                          name="nanoserve-tp-watchdog", daemon=True).start()
         while self.store.add("joined", 0) < n - 1:    # a wait in Python, which Ctrl-C can stop
             time.sleep(0.05)
@@ -1709,11 +1710,9 @@ def _close_workers(pipes, procs, closed):
         dist.destroy_process_group()
 
 
-def _watch(ref, closed):
-    """The watchdog thread (TensorParallelWorkers), holding its workers by a weak reference."""
-    workers = ref()
-    sentinels = [p.sentinel for p in workers.procs]
-    del workers                        # none held while waiting, so they can be collected
+def _watch(ref, sentinels, closed):
+    """The watchdog thread (TensorParallelWorkers). It holds the workers by a weak reference
+    only, so that they can be collected while it waits."""
     dead = multiprocessing.connection.wait(sentinels)
     workers = ref()
     if workers is None or closed.is_set():
