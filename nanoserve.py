@@ -845,29 +845,30 @@ class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.workers = pa.start_workers(cfg, ModelRunner)   # ranks 1..N-1 (Engine core process)
-        self.use_cuda = self.device.type == "cuda"
-        if self.device.type == "cpu":    # here, where the step loop runs, not in the server
-            pa.set_cpu_threads(cfg.num_threads)
-        self.model = build_model(cfg)
-        self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-        # Each step's inputs, sized for the largest: a CUDA graph reads the addresses it captured
-        S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
-        self.buffers = dict(
-            input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
-            positions=torch.zeros(T, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
-            context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
-        self.grammar_masks = pa.GrammarMasks(   # grammars' matchers and masks (token_masks)
-            str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
-            self.use_cuda)
-        self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
-        self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
-        self.num_blocks = self.allocate_kv_cache()
-        # Triton only: the torch attention reads lengths on the host, which no graph can capture.
-        if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
-            self.capture_cuda_graphs()
+        with pa.stopped_on_error(self.workers):   # tensor parallelism: a failed start stops them
+            self.use_cuda = self.device.type == "cuda"
+            if self.device.type == "cpu":    # here, where the step loop runs, not in the server
+                pa.set_cpu_threads(cfg.num_threads)
+            self.model = build_model(cfg)
+            self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+            # Each step's inputs, sized for the largest: a graph reads the addresses it captured
+            S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
+            self.buffers = dict(
+                input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+                positions=torch.zeros(T, dtype=torch.int64, device=dev),
+                slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
+                context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
+                cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
+            self.grammar_masks = pa.GrammarMasks(   # grammars' matchers and masks (token_masks)
+                str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
+                self.use_cuda)
+            self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
+            self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
+            self.num_blocks = self.allocate_kv_cache()
+            # Triton only: the torch attention reads lengths on the host, which no graph captures.
+            if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
+                self.capture_cuda_graphs()
         pa.start_steps(self.workers)          # every rank has run the start-up above alike
 
     # -- KV pool --
@@ -1165,6 +1166,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
+        self.committed: list = []          # the outputs step's _commit made (fail_running too)
         self.num_generated_tokens = 0                      # for /metrics
 
     def add_request(self, request: EngineCoreRequest):
@@ -1191,14 +1193,15 @@ class EngineCore:
         read-back, penalties and grammars see every token so far, and the host's work still hides
         behind the new step's forward pass. Returns an EngineCoreOutput per sequence that sampled
         in the step read back and had not ended meanwhile (none the first call)."""
-        prev, outputs = self.launched, []
+        prev, self.committed = self.launched, []
         if prev is not None and (prev.batch.num_draft_tokens or self.scheduler.may_draft()):
-            outputs, prev = self._commit(prev), None   # speculative decoding: see num_accepted
+            self.committed, prev = self._commit(prev), None   # speculative decoding: num_accepted
         self.launched = self._launch(prev)         # step N+1, before step N is read back
-        outputs = self._commit(prev) if prev is not None else outputs
+        if prev is not None:
+            self.committed = self._commit(prev)    # delivered even if sample raises (fail_running)
         if self.launched is not None:
             self.runner.sample(self.launched)
-        return outputs
+        return self.committed
 
     def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         batch = self.scheduler.schedule()
@@ -1262,14 +1265,15 @@ class EngineCore:
 
     def fail_running(self, error: Exception) -> list:
         """A step raised: every running sequence ends in error, its blocks freed; waiting ones stay
-        queued, none with a pending token (the launched step is dropped unread)."""
+        queued, none with a pending token (the launched step is dropped unread). Returned first:
+        the outputs the step had read back, since a request they finish runs no more."""
         self.launched = None
         failed = [s for s in self.seqs.values() if s.status == "running"]
         for seq in failed:
             self.abort_request(seq.request_id)
         for seq in self.seqs.values():
             seq.num_pending_tokens = 0
-        return [EngineCoreOutput(s.request_id, None, finish_reason="error",
+        return self.committed + [EngineCoreOutput(s.request_id, None, finish_reason="error",
                                  error=f"the engine failed: {error!r}") for s in failed]
 
     def stats(self) -> dict:
@@ -1514,6 +1518,10 @@ class FrontEnd:
         or Lark text, checked: a ValueError says why not. Cached as `grammar`: one per source."""
         if self.tokenizer is None:
             raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
+        num_tokens = self.tokenizer.get_vocab_size()     # llguidance's matcher refuses more
+        if num_tokens > self.cfg.vocab_size:
+            raise ValueError(f"structured output needs the tokenizer's {num_tokens} tokens within "
+                             f"the model's vocab_size ({self.cfg.vocab_size})")
         grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
             llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare_schema(
                 json.loads(source))), overrides={"whitespace_flexible": False})
@@ -1636,9 +1644,15 @@ class LLM:
         return self.front.states[request.request_id]
 
     def run(self):
-        """Step until every request is done, yielding after each step."""
+        """Step until every request is done, yielding after each step. A step that raises ends the
+        running requests in error (fail_running) before the error goes on to the caller."""
         while self.engine.has_unfinished():
-            _, stopped = self.front.process(self.engine.step())
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                self.front.process(self.engine.fail_running(e))
+                raise
+            _, stopped = self.front.process(outputs)
             for request_id in stopped:
                 self.engine.abort_request(request_id)
             yield
@@ -1663,6 +1677,11 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def close(self):
+        """Stop the tensor-parallel workers and leave their process group, so that another engine
+        can start in this process. Done too when the LLM is collected, and at exit."""
+        pa.stop_workers(self.engine.runner.workers)
 
 # ---------------------------------------------------------------------------
 # Engine core process
@@ -1718,6 +1737,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
                 outputs += core.fail_running(e)
+                pa.exit_on_failed_step(core.runner.workers)   # tensor parallelism: out of step
         sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
 
 # -- tensor parallelism: the engine core is rank 0, pa.start_workers runs ranks 1..N-1 --

@@ -65,15 +65,17 @@ Dimension letters, used in every shape comment:
 
 import bisect
 import concurrent.futures
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
 import os
 import signal
-import socket
 import sys
 import threading
+import time
+import weakref
 
 import numpy as np
 import torch
@@ -1465,12 +1467,12 @@ def _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged):
 
 
 def set_cpu_threads(num_threads=0):
-    """torch's threads for the engine on the CPU: num_threads, or one per core the engine may
+    """torch's threads on the CPU: num_threads, or this rank's share of the cores the engine may
     use. torch counts physical cores, not the CPUs a container or taskset grants, and extra
     threads only contend. (macOS has no affinity mask.)"""
     affinity = getattr(os, "sched_getaffinity", None)
-    cpus = len(affinity(0)) if affinity else os.cpu_count()
-    torch.set_num_threads(num_threads or min(torch.get_num_threads(), cpus))
+    cpus = min(torch.get_num_threads(), len(affinity(0)) if affinity else os.cpu_count())
+    torch.set_num_threads(num_threads or max(1, cpus // tensor_parallel_size()))
 
 
 def store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping):
@@ -1715,15 +1717,40 @@ def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
     that builds make_runner(cfg) (nanoserve's ModelRunner) and follows rank 0's steps
     (_follow_steps), and join them in one process group. Returns their
-    TensorParallelWorkers; None at size 1, or on a worker (in the group already)."""
+    TensorParallelWorkers; None at size 1, or on a worker (in the group already).
+    One engine per process uses the group: another waits until its engine closes."""
     n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
     if n < 1 or cfg.num_kv_heads % n or cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the model's {cfg.num_heads} "
                          f"query heads, {cfg.num_kv_heads} KV heads and MLP size "
                          f"{cfg.intermediate_size}")
-    if n == 1 or dist.is_initialized():
+    if dist.is_initialized() and dist.get_rank() > 0:
         return None
-    return TensorParallelWorkers(cfg, make_runner)
+    if dist.is_initialized():
+        raise ValueError("a tensor-parallel engine is still open in this process: close it "
+                         "first (LLM.close())")
+    if n > 1 and getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.exit(f"error: tensor_parallel_size {n} from a script needs the script's LLM(...) "
+                 "under `if __name__ == \"__main__\":`, since each worker imports the script")
+    return TensorParallelWorkers(cfg, make_runner) if n > 1 else None
+
+
+@contextlib.contextmanager
+def stopped_on_error(workers):
+    """Around rank 0's start-up after start_workers: if it raises (a bad setting that
+    every rank meets alike, Ctrl-C), the workers are stopped before the error goes on,
+    so that a caller who catches it keeps a clean process."""
+    try:
+        yield
+    except BaseException:
+        stop_workers(workers)
+        raise
+
+
+def stop_workers(workers):
+    """TensorParallelWorkers.close, where there are workers (nanoserve's LLM.close)."""
+    if workers is not None:
+        workers.close()
 
 
 def exit_on_worker_death(workers):
@@ -1731,6 +1758,14 @@ def exit_on_worker_death(workers):
     a worker's death ends it, as its own would (TensorParallelWorkers)."""
     if workers is not None:
         workers.exit_on_death = True
+
+
+def exit_on_failed_step(workers):
+    """In nanoserve's engine core process, after a step that raised on rank 0: the workers
+    may be inside it still, in all-reduces rank 0 will never join, so the ranks are out of
+    step for good. The process ends as at a worker's death (close stops the workers)."""
+    if workers is not None:
+        sys.exit(1)
 
 
 def send_step(workers, plan):
@@ -1750,14 +1785,17 @@ def _backend(device):
     return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
-def _init_group(device, rank, size, port):
+def _init_group(device, rank, size, port, store=None):
     device_id = torch.device("cuda", rank) if _backend(device) == "nccl" else None
-    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size, device_id=device_id)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
+        store.add("joined", 1)         # rank 0 waits for every other rank (TensorParallelWorkers)
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
+                            device_id=device_id)
 
 
 class TensorParallelWorkers:
-    """Rank 0's end of the other ranks: a pipe to each (send), a watchdog on their lives.
+    """Rank 0's end of the other ranks: a pipe to each (send), a watchdog on their lives, close.
 
     Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe
     from rank 0 reads EOF: rank 0 gone, however it went (closed, killed), so no
@@ -1767,7 +1805,12 @@ class TensorParallelWorkers:
     fails the requests as for any engine-core death; on the GPU, where a collective
     waiting for a dead rank never returns; and during start-up, which may be waiting
     for the dead rank to join the group. Else (LLM on the CPU) the step in flight
-    raises instead (gloo reports the peer gone), and so does every later send."""
+    raises instead (gloo reports the peer gone), and so does every later send.
+
+    close (_close_workers) runs once: at LLM.close, when the workers are collected
+    with their LLM, when start-up fails (stopped_on_error), and at exit, before
+    multiprocessing waits for its children. Neither it nor the watchdog holds self,
+    so an LLM dropped without close is still collected, and closed."""
 
     def __init__(self, cfg, make_runner):
         n, backend = cfg.tensor_parallel_size, _backend(cfg.device)
@@ -1778,25 +1821,35 @@ class TensorParallelWorkers:
         # multiprocessing lets no daemon start a process: its workers end with it by
         # their pipes' EOF instead, so the flag can go.
         multiprocessing.current_process().daemon = False
-        with socket.socket() as s:     # a free port for the group's rendezvous (rank 0's)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # The group's rendezvous, on a free port. Held here, it outlives a start-up broken off
+        # (Ctrl-C), so that the workers it leaves waiting there go quietly, by close.
+        self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
         ctx = multiprocessing.get_context("spawn")
-        self.pipes, self.procs = [], []
+        self.pipes, self.procs, self.closed = [], [], threading.Event()
+        # Ctrl-C reaches every process of the terminal's group. Ignored while they spawn, it
+        # stays ignored in the workers from birth: it stops rank 0 alone, and them by close.
+        main = threading.current_thread() is threading.main_thread()   # where signals are set
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         for rank in range(1, n):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main, name=f"nanoserve-tp-rank-{rank}",
-                               args=(make_runner, cfg, rank, port, reader), daemon=True)
+                               args=(make_runner, cfg, rank, self.store.port, reader), daemon=True)
             proc.start()
             reader.close()             # the worker's end, closed here: a dead worker's pipe breaks
             self.pipes.append(writer)
             self.procs.append(proc)
-        self.error, self.started, self.closing = "", False, False
+        if main:
+            signal.signal(signal.SIGINT, sigint)
+        self.error, self.started = "", False
         self.exit_on_death = backend == "nccl"
-        # at exit, before multiprocessing ends the workers: their deaths are then no fault
-        multiprocessing.util.Finalize(self, self.close, exitpriority=100)
-        threading.Thread(target=self._watch, name="nanoserve-tp-watchdog", daemon=True).start()
-        _init_group(cfg.device, 0, n, port)
+        self.close = multiprocessing.util.Finalize(
+            self, _close_workers, (self.pipes, self.procs, self.closed), exitpriority=100)
+        sentinels = [p.sentinel for p in self.procs]
+        threading.Thread(target=_watch, args=(weakref.ref(self), sentinels, self.closed),
+                         name="nanoserve-tp-watchdog", daemon=True).start()
+        while self.store.add("joined", 0) < n - 1:    # a wait in Python, which Ctrl-C can stop
+            time.sleep(0.05)
+        _init_group(cfg.device, 0, n, self.store.port, self.store)
 
     def send(self, plan):
         if self.error:
@@ -1804,21 +1857,37 @@ class TensorParallelWorkers:
         for pipe in self.pipes:
             pipe.send(plan)
 
-    def close(self):
-        self.closing = True
-        for pipe in self.pipes:        # each worker reads EOF and exits
-            pipe.close()
 
-    def _watch(self):
-        dead = multiprocessing.connection.wait([p.sentinel for p in self.procs])
-        if self.closing:
-            return
-        proc = next(p for p in self.procs if p.sentinel in dead)
-        proc.join(1)
-        self.error = f"the tensor-parallel worker {proc.name} exited (exit code {proc.exitcode})"
-        print(f"error: {self.error}", file=sys.stderr, flush=True)
-        if self.exit_on_death or not self.started:
-            os._exit(1)
+def _close_workers(pipes, procs, closed):
+    """Each worker reads EOF and exits; one still inside a step that rank 0 left (a
+    failed step, Ctrl-C) waits in a collective for good, so it is killed after 1 s.
+    Then the group goes: another engine may start, and NCCL has nothing to warn of."""
+    closed.set()                       # for the watchdog: from now on a death is no fault
+    for pipe in pipes:
+        pipe.close()
+    deadline = time.monotonic() + 1
+    for proc in procs:
+        proc.join(max(0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _watch(ref, sentinels, closed):
+    """The watchdog thread (TensorParallelWorkers). It holds the workers by a weak reference
+    only, so that they can be collected while it waits."""
+    dead = multiprocessing.connection.wait(sentinels)
+    workers = ref()
+    if workers is None or closed.is_set():
+        return
+    proc = next(p for p in workers.procs if p.sentinel in dead)
+    proc.join(1)
+    workers.error = f"the tensor-parallel worker {proc.name} exited (exit code {proc.exitcode})"
+    print(f"error: {workers.error}", file=sys.stderr, flush=True)
+    if workers.exit_on_death or not workers.started:
+        os._exit(1)
 
 
 def _follow_steps(runner, pipe):
@@ -1849,8 +1918,16 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
     if _backend(cfg.device) == "nccl":
         cfg.device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
-    _init_group(cfg.device, rank, cfg.tensor_parallel_size, port)
-    _follow_steps(make_runner(cfg), pipe)
+    try:
+        _init_group(cfg.device, rank, cfg.tensor_parallel_size, port)
+        runner = make_runner(cfg)
+    except Exception:
+        # A bad setting meets rank 0 too, which raises it to its caller and closes our pipe,
+        # as it does when stopped during start-up (Ctrl-C): then the error is rank 0's to tell.
+        if pipe.poll(5):
+            os._exit(1)
+        raise
+    _follow_steps(runner, pipe)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -12,9 +12,12 @@ and every KV block back in the pool afterwards.
 
 import asyncio
 import dataclasses
+import gc
 import importlib.util
 import json
+import multiprocessing
 import os
+import select
 import signal
 import socket
 import sys
@@ -312,6 +315,30 @@ def test_failed_step_keeps_the_waiting_sequences(smol_llm):
     assert kept and all(s.finish_reason == "length" for s, _ in kept)
     assert [s.token_ids for s, _ in kept] == [w.token_ids for _, w in kept]
     check_pool_is_free(engine)
+
+
+def test_failed_sample_keeps_what_the_step_read_back(smol_llm, monkeypatch):
+    """A step reads the previous step's tokens back before it samples its own. If sampling
+    raises, a request that the read-back finished (A, one token) still ends as it should; only
+    the requests of the failed step end in error (B); LLM.run then raises."""
+    runner, calls = smol_llm.engine.runner, []
+    sample = runner.sample
+
+    def sample_failing_the_second_time(step):
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        sample(step)
+    monkeypatch.setattr(runner, "sample", sample_failing_the_second_time)
+    a, b = [smol_llm.add(smol_llm.front.encode(p), ns.SamplingParams(
+        temperature=0, max_tokens=n, ignore_eos=True)) for p, n in zip(SMOL_PROMPTS, (1, 5))]
+    with pytest.raises(RuntimeError, match="injected failure"):
+        for _ in smol_llm.run():
+            pass
+    assert (a.finish_reason, len(a.token_ids)) == ("length", 1)
+    assert b.finish_reason == "error" and "injected failure" in b.error
+    assert not smol_llm.engine.has_unfinished()
+    check_pool_is_free(smol_llm.engine)
 
 
 def test_stop_strings_and_tokens(smol_llm):
@@ -2372,6 +2399,18 @@ def test_structured_output_bad_input_is_a_400(server):
         idle["nanoserve_generated_tokens_total"]
 
 
+def test_tokenizer_larger_than_the_vocab_is_a_400(server, engine, monkeypatch):
+    """llguidance builds no matcher when the tokenizer has more tokens than the model's
+    vocab_size ("vocab size too small"): the server says so at validation, with a 400, rather
+    than failing the request in the engine core."""
+    monkeypatch.setattr(engine.front.cfg, "vocab_size", engine.front.cfg.vocab_size - 1)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "vocab", "schema": {
+            "type": "object", "properties": {"vocab_check": {"type": "integer"}}}}}})
+    assert "vocab_size" in assert_error(r, 400)["message"]
+
+
 def test_grammar_masks_match_one_matcher_at_a_time():
     """pa.GrammarMasks fills on its thread pool exactly the bitmasks each matcher computes alone,
     into rows of its reused buffer, and its parallel consume moves each matcher as consume_token
@@ -2738,6 +2777,149 @@ def test_tensor_parallel_engine_core_and_worker_death(smol_llm):
     finally:
         srv.stop()
         client.shutdown()
+
+
+
+
+def test_cpu_threads_are_shared_among_the_ranks(monkeypatch):
+    """With num_threads 0, each rank of tensor parallelism on the CPU takes its share of the
+    cores it may use (at least one), not every core; a number given is kept as it is."""
+    num_threads, get_num_threads = torch.get_num_threads(), torch.get_num_threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)   # torch's count: physical cores
+    got = {}
+    try:
+        for size, given in [(1, 0), (3, 0), (5, 0), (16, 0), (3, 2)]:
+            monkeypatch.setattr(pa, "tensor_parallel_size", lambda: size)
+            pa.set_cpu_threads(given)
+            got[size, given] = get_num_threads()
+    finally:
+        torch.set_num_threads(num_threads)
+    assert got == {(1, 0): 12, (3, 0): 4, (5, 0): 2, (16, 0): 1, (3, 2): 2}, got
+
+
+def fail_a_layer_once(core):
+    """Runs inside the engine core process (EngineCoreClient's `setup`): rank 0's layer 10
+    raises in the first step, between that step's all-reduces, so the workers stay inside it."""
+    layer = core.runner.model.layers[10]
+
+    def fail_once(*args, **kwargs):
+        del layer.forward                     # the class's forward from now on
+        raise RuntimeError("injected failure")
+    layer.forward = fail_once
+
+
+def test_tensor_parallel_failed_step_ends_the_engine_core():
+    """Served with 3 ranks, a step that raises on rank 0 midway through the forward pass
+    leaves the ranks out of step, so it ends the engine core: the request fails, /health
+    turns 503 (no later request can hang), and the engine core and its workers exit."""
+    cfg = server_config(tensor_parallel_size=TP, num_blocks=64)
+    client = EngineCoreClient(cfg, setup=fail_a_layer_once)
+    srv = ServerThread(build_app(client, cfg))
+    try:
+        with open(f"/proc/{client.process.pid}/task/{client.process.pid}/children") as f:
+            workers = [int(pid) for pid in f.read().split()]
+        assert len(workers) == TP - 1, workers
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"prompt": TP_PROMPTS[0], "max_tokens": 3, "temperature": 0})
+        print(r.text)
+        assert r.status_code >= 500, r.text
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+        client.process.join(30)
+        assert not client.process.is_alive()
+        wait_exited(workers, 30)
+    finally:
+        srv.stop()
+        client.shutdown()
+
+
+def _tp_start_up_error_and_close(queue):
+    """In a process of its own, which records its workers' PIDs: a start-up error caught
+    (through the CLI's main), then an LLM at TP ranks, dropped, then the next engine."""
+    pids, start = [], multiprocessing.context.SpawnProcess.start
+    multiprocessing.context.SpawnProcess.start = lambda p: (start(p), pids.append(p.pid))
+    try:
+        ns.main(["generate", "Hi", "--device", "cpu", "--cpu-kv-cache-gb", "1e-9",
+                 "--tensor-parallel-size", str(TP), "--num-threads", "1"])
+    except SystemExit as e:
+        queue.put(("start-up error", str(e.code), pids[:]))
+    greedy = ns.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = ns.LLM(DEFAULT_MODEL, device="cpu", num_blocks=64, num_threads=1,
+                 tensor_parallel_size=TP)
+    first = llm.generate(TP_PROMPTS[0], greedy)[0].token_ids
+    try:
+        ns.LLM(DEFAULT_MODEL, device="cpu", num_blocks=64, num_threads=1)
+        queue.put(("a second engine while one is open", "not refused"))
+    except ValueError as e:
+        queue.put(("a second engine while one is open", str(e)))
+    del llm
+    gc.collect()
+    queue.put(("collected", pids[-2:], torch.distributed.is_initialized()))
+    llm = ns.LLM(DEFAULT_MODEL, device="cpu", num_blocks=64, num_threads=1)
+    queue.put(("the next engine", llm.generate(TP_PROMPTS[0], greedy)[0].token_ids == first))
+
+
+def test_tensor_parallel_start_up_error_close_and_the_next_engine(capfd):
+    """A start-up error every rank meets (no room for the KV cache) reaches the caller as a
+    ValueError, which the CLI's main prints in one line, and the caller's process lives on: no
+    worker traceback, no worker left. An LLM at TP ranks refuses a second engine while it is
+    open; dropped and collected (as LLM.close does), its workers exit and its process group
+    goes, so the next engine starts, and decodes the same tokens."""
+    ensure_smol()
+    queue = torch.multiprocessing.get_context("spawn").Queue()
+    run_processes(_tp_start_up_error_and_close, [(queue,)], timeout=120)
+    results = {}
+    while len(results) < 4:
+        what, *result = queue.get(timeout=10)
+        results[what] = result
+    print(results)
+    error, pids = results["start-up error"]
+    assert error.startswith("error: no memory left for the KV cache") and "\n" not in error
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "error" not in err, err   # main's line is its exit code
+    assert len(pids) == TP - 1
+    wait_exited(pids, 1)
+    assert "still open" in results["a second engine while one is open"][0]
+    pids, initialized = results["collected"]
+    assert not initialized
+    wait_exited(pids, 1)
+    assert results["the next engine"] == [True]
+
+
+def test_tensor_parallel_ctrl_c_exits_quietly():
+    """Ctrl-C (SIGINT to the terminal's process group) on `generate --tensor-parallel-size 3`,
+    once while the workers start and once while generating: the process exits within seconds,
+    without a traceback, and every process it started exits too."""
+    server_config()                                  # skips without the default model
+    import subprocess
+    for when in ("starting", "generating"):
+        proc = subprocess.Popen(
+            [sys.executable, "nanoserve.py", "generate", "Once upon a time", "--device", "cpu",
+             "--tensor-parallel-size", str(TP), "--max-tokens", "500", "--ignore-eos",
+             "--num-threads", "1"], cwd=os.path.dirname(os.path.abspath(__file__)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            children, deadline = [], time.time() + 60
+            while len(children) < TP - 1 and time.time() < deadline:   # the workers, and maybe
+                time.sleep(0.1)                                          # a resource tracker
+                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                    children = [int(pid) for pid in f.read().split()]
+            if when == "generating":                # the first character of the completion
+                assert select.select([proc.stdout], [], [], 120)[0], "nothing generated"
+                proc.stdout.read(1)
+            os.killpg(proc.pid, signal.SIGINT)
+            sent = time.time()
+            code = proc.wait(timeout=30)
+            took = time.time() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        err = proc.stderr.read().decode()
+        print(f"Ctrl-C while {when}: exit code {code} after {took:.1f} s")
+        assert "Traceback" not in err and "frame #" not in err, err
+        assert code == 130 and took < 15, (code, took)
+        wait_exited(children, 10)
 
 
 TP_CUDA_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(200, 290))]
