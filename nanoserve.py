@@ -3,8 +3,8 @@
 This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big engines do, small
 enough to read in an afternoon: a paged KV cache with a block allocator and prefix caching, a
 continuous-batching scheduler that mixes chunked prefills and decodes in one step, batched sampling
-with grammars for structured output, CUDA graphs for every step, and an OpenAI-compatible HTTP
-server with SSE streaming. The paged-attention kernels live next door in paged_attention.py.
+with grammars for structured output, each step's forward pass replayed as one CUDA graph, and an
+OpenAI-compatible HTTP server with SSE streaming. The kernels live next door in paged_attention.py.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
 no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA, beam
@@ -934,7 +934,7 @@ class ModelRunner:
             block_tables  [[2, 5, 8, 6, 1], [7, 3, 9, 4, 0]]: as wide as the longest, 0-padded
         Only row 0 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 40
         would too). 41 tokens with a prompt among them replay the 48-token graph: _pad adds seven
-        -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41, and widens block_tables."""
+        -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41 (block_tables keep their width)."""
         flat, sample_rows, sample_seqs, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: run eagerly
@@ -1048,7 +1048,7 @@ class ModelRunner:
     # -- forward and sample --
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Optional[LaunchedStep] = None) -> LaunchedStep:
-        """Queue one step on the device, not waiting; prev's samples give its pending tokens."""
+        """Queue one step on the device; it waits only for prev's masks and prompt log-probs."""
         inputs = self.prepare(batch, prev)
         if inputs.graph is not None:
             graph, hidden = inputs.graph

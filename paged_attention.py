@@ -22,6 +22,9 @@ owns in order. This file holds the kernels that touch that pool:
                              engine calls: norm and linear chosen in the
                              first section with the sampler's argmax_rows and
                              apply_token_mask, ATTENTION in the last
+    cuda_graph_sizes, graph_key
+                             which CUDA graphs are captured, and which one
+                             replays a step
     GrammarMasks             grammar masks filled on the host's cores, off
                              the step loop, for apply_token_mask to apply in
                              place in one launch

@@ -1,7 +1,7 @@
 """Tests for nanoserve. transformers is the reference, and is imported here only.
 
     pytest -q test_nanoserve.py            # CPU: the Triton kernels run in the interpreter
-    pytest -q test_nanoserve.py -k cuda    # on a GPU machine: the bf16 kernel and engine checks
+    pytest -q test_nanoserve.py -k "cuda or triton"   # on a GPU machine: the GPU checks
 
 Each layer is compared with its transformers counterpart at an explicit
 tolerance (the worst difference is printed), the whole model token for token
@@ -388,8 +388,8 @@ def test_token_id_prompts_and_order(smol_llm):
 def test_engine_triton_and_sdpa_attention_equal_torch(tiny):
     """The whole engine with the Triton kernels (interpreted on CPU) and with the
     CPU path (sdpa) against the torch references and transformers, fp32, with
-    chunked prefills mixed into decodes (and, on CUDA, decode steps replayed
-    from CUDA graphs)."""
+    chunked prefills mixed into decodes (and, on CUDA, every step's forward
+    pass replayed from a CUDA graph)."""
     path, hf = tiny
     device = "cuda" if CUDA else "cpu"
     prompts = [list(range(5, 16)), [20, 21, 22], list(range(30, 90))]
