@@ -1560,20 +1560,22 @@ class GrammarMasks:
     per fill thread: request n's matcher copies its grammar's matcher built for family
     n % num_threads (a grammar is built once per family, on first use).
     One pinned bitmask buffer, sized for a full step, is reused every step: the engine reads a
-    step back (a sync past its bitmask copy) before it fills the next one."""
+    step back (a sync past its bitmask copy) before it fills the next one. The buffer (16 MB at
+    1,024 seats and a 128k vocabulary) and the pool's threads are made when a grammar first
+    comes, so an engine that serves none pays for neither."""
 
     def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
         import llguidance.numpy                       # only where grammars are served
         self.llg = llguidance
         self.num_threads = min(16, max(1, (os.cpu_count() or 2) - 1))
-        self.executor = llguidance.LLExecutor(self.num_threads)
+        self.executor = functools.cache(lambda: llguidance.LLExecutor(self.num_threads))
         self.tokenizer = functools.cache(lambda: llguidance.LLTokenizer(   # built on first use
             tokenizer_path, n_vocab=vocab_size, eos_token=eos_token_ids))
         self.built = functools.lru_cache(maxsize=64 * self.num_threads)(   # the 64 latest grammars
             lambda grammar, family: llguidance.LLMatcher(self.tokenizer(), grammar))
         self.num_matchers = 0
-        self.bitmask = torch.empty(max_rows, triton.cdiv(vocab_size, 32), dtype=torch.int32,
-                                   pin_memory=pin)  # (max_rows, cdiv(V, 32))
+        self.bitmask = functools.cache(lambda: torch.empty(   # (max_rows, cdiv(V, 32))
+            max_rows, triton.cdiv(vocab_size, 32), dtype=torch.int32, pin_memory=pin))
         self.thread = concurrent.futures.ThreadPoolExecutor(1)   # waits on the pool for fill_async
         self.compiler = concurrent.futures.ThreadPoolExecutor(1)  # builds matchers, off the loop
 
@@ -1599,16 +1601,16 @@ class GrammarMasks:
     def fill(self, matchers):
         """The bitmasks of what each matcher allows next, (R, cdiv(V, 32)) int32 rows of the
         pinned buffer; llguidance drops the GIL and splits the rows over its threads."""
-        bitmask = self.bitmask[:len(matchers)]
+        bitmask = self.bitmask()[:len(matchers)]
         self.llg.numpy.fill_next_token_bitmask_par(
-            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
+            self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
         return bitmask
 
     def consume(self, pairs):
         """Each (matcher, sampled token) pair's matcher takes its token, in parallel (a rejected
         one leaves its matcher in the error state, as consume_token does)."""
         if pairs:
-            self.executor.consume_token_par(pairs)
+            self.executor().consume_token_par(pairs)
 
 
 @triton.jit
