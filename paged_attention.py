@@ -72,6 +72,7 @@ import contextlib
 import functools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
@@ -1831,24 +1832,35 @@ class TensorParallelWorkers:
         self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
         ctx = multiprocessing.get_context("spawn")
         self.pipes, self.procs, self.closed = [], [], threading.Event()
-        # Ctrl-C reaches every process of the terminal's group. Ignored while they spawn, it
-        # stays ignored in the workers from birth: it stops rank 0 alone, and them by close.
-        main = threading.current_thread() is threading.main_thread()   # where signals are set
-        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        for rank in range(1, n):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker_main, name=f"nanoserve-tp-rank-{rank}",
-                               args=(make_runner, cfg, rank, self.store.port, reader), daemon=True)
-            proc.start()
-            reader.close()             # the worker's end, closed here: a dead worker's pipe breaks
-            self.pipes.append(writer)
-            self.procs.append(proc)
-        if main:
-            signal.signal(signal.SIGINT, sigint)
         self.error, self.started = "", False
         self.exit_on_death = backend == "nccl"
         self.close = multiprocessing.util.Finalize(
             self, _close_workers, (self.pipes, self.procs, self.closed), exitpriority=100)
+        # Ctrl-C reaches every process of the terminal's group. It stops rank 0 alone, and
+        # the workers by close: they are born with it blocked, until they ignore it
+        # (_worker_main). One that comes while they spawn is held, and raised once they are.
+        # multiprocessing's resource tracker unblocks it once it has started, so it starts first.
+        multiprocessing.resource_tracker.ensure_running()
+        main = threading.current_thread() is threading.main_thread()   # where signals are set
+        held = []
+        sigint = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for rank in range(1, n):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, name=f"nanoserve-tp-rank-{rank}",
+                                   args=(make_runner, cfg, rank, self.store.port, reader),
+                                   daemon=True)
+                proc.start()
+                reader.close()         # the worker's end, closed here: a dead worker's pipe breaks
+                self.pipes.append(writer)
+                self.procs.append(proc)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            if main:
+                signal.signal(signal.SIGINT, sigint)
+        if held:
+            raise KeyboardInterrupt    # close stops the workers, as when start-up is stopped
         sentinels = [p.sentinel for p in self.procs]
         threading.Thread(target=_watch, args=(weakref.ref(self), sentinels, self.closed),
                          name="nanoserve-tp-watchdog", daemon=True).start()
@@ -1920,6 +1932,7 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
     teardown waits on a dead peer."""
     for sig in (signal.SIGINT, signal.SIGTERM):    # as the engine core: what stops rank 0 (the
         signal.signal(sig, signal.SIG_IGN)         # server, Ctrl-C) stops us by the pipe's EOF
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked from birth (above)
     if _backend(cfg.device) == "nccl":
         cfg.device = f"cuda:{rank}"
         torch.cuda.set_device(rank)

@@ -2579,6 +2579,21 @@ def wait_exited(pids: list, timeout: float):
         time.sleep(0.2)
 
 
+def in_session(sid: int) -> list:
+    """The live processes of session sid: all that a child started with start_new_session
+    started in turn, wherever they were reparented."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(session) == sid and state != "Z":
+            pids.append(int(pid))
+    return pids
+
+
 def test_engine_core_exits_with_the_server():
     """`serve` killed outright (no shutdown code runs): its engine core
     process sees the pipe close and exits, so nothing keeps the device."""
@@ -2887,12 +2902,13 @@ def test_tensor_parallel_start_up_error_close_and_the_next_engine(capfd):
 
 
 def test_tensor_parallel_ctrl_c_exits_quietly():
-    """Ctrl-C (SIGINT to the terminal's process group) on `generate --tensor-parallel-size 3`,
-    once while the workers start and once while generating: the process exits within seconds,
-    without a traceback, and every process it started exits too."""
+    """Ctrl-C (SIGINT to the terminal's process group) on `generate --tensor-parallel-size 3`:
+    while the workers spawn (at the first child process: multiprocessing's resource tracker
+    or rank 1, before rank 2 exists), while they start, and while generating. Each time the
+    process exits within seconds, without a traceback, and every process it started exits too."""
     server_config()                                  # skips without the default model
     import subprocess
-    for when in ("starting", "generating"):
+    for when in ("spawning", "starting", "generating"):
         proc = subprocess.Popen(
             [sys.executable, "nanoserve.py", "generate", "Once upon a time", "--device", "cpu",
              "--tensor-parallel-size", str(TP), "--max-tokens", "500", "--ignore-eos",
@@ -2900,10 +2916,13 @@ def test_tensor_parallel_ctrl_c_exits_quietly():
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         try:
             children, deadline = [], time.time() + 60
-            while len(children) < TP - 1 and time.time() < deadline:   # the workers, and maybe
-                time.sleep(0.1)                                          # a resource tracker
+            wanted = 1 if when == "spawning" else TP - 1   # the workers, and maybe the tracker
+            while len(children) < wanted and time.time() < deadline:
+                time.sleep(0.001)
                 with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                     children = [int(pid) for pid in f.read().split()]
+            if when == "starting":                  # the workers import torch and join the group
+                time.sleep(1)
             if when == "generating":                # the first character of the completion
                 assert select.select([proc.stdout], [], [], 120)[0], "nothing generated"
                 proc.stdout.read(1)
@@ -2919,7 +2938,7 @@ def test_tensor_parallel_ctrl_c_exits_quietly():
         print(f"Ctrl-C while {when}: exit code {code} after {took:.1f} s")
         assert "Traceback" not in err and "frame #" not in err, err
         assert code == 130 and took < 15, (code, took)
-        wait_exited(children, 10)
+        wait_exited(children + in_session(proc.pid), 10)   # rank 2 too, spawned after the signal
 
 
 TP_CUDA_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(200, 290))]
