@@ -1679,8 +1679,8 @@ class LLM:
         return self.engine.stats()
 
     def close(self):
-        """Stop the tensor-parallel workers and leave their process group, so that another engine
-        can start in this process. Done too when the LLM is collected, and at exit."""
+        """Stop the tensor-parallel workers and leave their group, so another engine can start here
+        (not on GPUs: pa._close_workers). Done too when the LLM is collected, and at exit."""
         pa.stop_workers(self.engine.runner.workers)
 
 # ---------------------------------------------------------------------------

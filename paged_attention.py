@@ -1724,7 +1724,8 @@ def start_workers(cfg, make_runner):
     that builds make_runner(cfg) (nanoserve's ModelRunner) and follows rank 0's steps
     (_follow_steps), and join them in one process group. Returns their
     TensorParallelWorkers; None at size 1, or on a worker (in the group already).
-    One engine per process uses the group: another waits until its engine closes."""
+    One engine per process uses the group: another is refused while it is open (on GPUs,
+    for good: _close_workers)."""
     n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
     if n < 1 or cfg.num_kv_heads % n or cfg.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the model's {cfg.num_heads} "
@@ -1733,8 +1734,9 @@ def start_workers(cfg, make_runner):
     if dist.is_initialized() and dist.get_rank() > 0:
         return None
     if dist.is_initialized():
-        raise ValueError("a tensor-parallel engine is still open in this process: close it "
-                         "first (LLM.close())")
+        raise ValueError("a tensor-parallel engine is still open in this process (close it "
+                         "first: LLM.close()), or ran on GPUs here, where its NCCL group "
+                         "outlives it (start the next engine in a new process)")
     if n > 1 and getattr(multiprocessing.current_process(), "_inheriting", False):
         sys.exit(f"error: tensor_parallel_size {n} from a script needs the script's LLM(...) "
                  "under `if __name__ == \"__main__\":`, since each worker imports the script")
@@ -1878,7 +1880,9 @@ class TensorParallelWorkers:
 def _close_workers(pipes, procs, closed):
     """Each worker reads EOF and exits; one still inside a step that rank 0 left (a
     failed step, Ctrl-C) waits in a collective for good, so it is killed after 1 s.
-    Then the group goes: another engine may start, and NCCL has nothing to warn of."""
+    Then a gloo group goes, so another engine may start. An NCCL group stays: destroying
+    it is a collective that waits for every rank, and the workers are gone. On 2 H100s
+    it hung there for good. So on GPUs the next engine needs a new process (start_workers)."""
     closed.set()                       # for the watchdog: from now on a death is no fault
     for pipe in pipes:
         pipe.close()
@@ -1888,7 +1892,7 @@ def _close_workers(pipes, procs, closed):
         if proc.is_alive():
             proc.kill()
             proc.join()
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
 
 
