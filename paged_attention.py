@@ -1871,6 +1871,8 @@ class TensorParallelWorkers:
         _init_group(cfg.device, 0, n, self.store.port, self.store)
 
     def send(self, plan):
+        if self.closed.is_set():
+            raise RuntimeError("this tensor-parallel engine is closed (LLM.close())")
         if self.error:
             raise RuntimeError(self.error)
         for pipe in self.pipes:

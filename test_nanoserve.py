@@ -2734,7 +2734,8 @@ def test_tensor_parallel_layers_equal_unsharded():
 
 
 def _tp_generate(queue):
-    """In-process LLM at TP ranks: greedy outputs, then a worker killed mid-run."""
+    """In-process LLM at TP ranks: greedy outputs, then a worker killed mid-run, then
+    generate after close."""
     llm = ns.LLM(DEFAULT_MODEL, device="cpu", num_blocks=256, num_threads=1,
                  tensor_parallel_size=TP)
     greedy = ns.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -2746,12 +2747,18 @@ def _tp_generate(queue):
         queue.put("no error")
     except Exception as e:
         queue.put(f"{type(e).__name__}: {e}")
+    llm.close()
+    try:
+        llm.generate(TP_PROMPTS[0], greedy)
+        queue.put("no error")
+    except Exception as e:
+        queue.put(f"{type(e).__name__}: {e}")
 
 
 def test_tensor_parallel_llm_equals_tp1_and_a_dead_worker_raises(smol_llm):
     """LLM(tensor_parallel_size=3) in fp32 decodes greedily token for token as
     TP=1 does; then, a worker killed mid-run, generate raises (no hang) and every
-    process exits."""
+    process exits. Once closed, the LLM says so."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     run_processes(_tp_generate, [(queue,)])
@@ -2760,6 +2767,9 @@ def test_tensor_parallel_llm_equals_tp1_and_a_dead_worker_raises(smol_llm):
     error = queue.get(timeout=10)
     print(f"after the kill: {error}")
     assert error != "no error"
+    error = queue.get(timeout=10)
+    print(f"after close: {error}")
+    assert error == "RuntimeError: this tensor-parallel engine is closed (LLM.close())"
 
 
 def test_tensor_parallel_engine_core_and_worker_death(smol_llm):
