@@ -28,7 +28,7 @@ through Model.forward and is sampled; its token ids cross back for the FrontEnd 
 from __future__ import annotations
 
 import argparse, asyncio, contextlib, dataclasses, faulthandler, functools, hmac, json, math
-import multiprocessing, os, queue, re, signal, socket, sys, threading, time, traceback, uuid
+import multiprocessing, os, queue, re, socket, sys, threading, time, traceback, uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -1698,8 +1698,7 @@ class EngineCoreAbort:
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """In the engine core process's main thread: owns the scheduler, BlockAllocator, ModelRunner and
     device; steps while work is queued. `setup(core)` runs first if given (tests inject faults)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):   # the server's to handle: it stops us,
-        signal.signal(sig, signal.SIG_IGN)         # and if it dies, the pipe tells us
+    pa.follow_parent()             # Ctrl-C, SIGTERM: the server's; it stops us (EOF), or its death
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
@@ -1709,10 +1708,10 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     except Exception as e:
         outbox.send(f"the engine core failed to start: {e}")
         return
-    outbox.send(EngineCoreOutputs([], core.stats()))         # ready
     # The outputs go out through one worker thread, in order: the step loop never waits on the
     # server (with both pipes full, the two processes would wait on each other).
     sender = ThreadPoolExecutor(max_workers=1)
+    sender.submit(outbox.send, EngineCoreOutputs([], core.stats()))   # ready (gone: EOF below)
     while True:
         try:   # block only when idle; while sequences run, take what has arrived
             messages = [] if core.has_unfinished() else [inbox.recv()]
@@ -1765,7 +1764,8 @@ class EngineCoreClient:
         self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
         self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
                                    args=(cfg, inbox_end, outbox_end, setup), daemon=True)
-        self.process.start()
+        with pa.sigint_held():                 # born deaf to Ctrl-C, which the server handles
+            self.process.start()
         inbox_end.close()                      # the child's ends, closed here: a dead child
         outbox_end.close()                     # then reads as EOF
         try:

@@ -1719,6 +1719,50 @@ def min_over_ranks(n, device):
     return int(t.item())
 
 
+@contextlib.contextmanager
+def sigint_held():
+    """Around spawning a process that leaves Ctrl-C to its parent: nanoserve's engine core (its
+    server stops it), the tensor-parallel workers (rank 0 stops them). Each child calls
+    follow_parent first. Ctrl-C (SIGINT) reaches every process of the terminal's group,
+    a child still importing torch too, where it would print a traceback. So the child is born
+    with SIGINT blocked, and a blocked signal waits. One that comes to this process meanwhile is
+    held, then raised again once the child is spawned, to the handler that was there: a
+    KeyboardInterrupt, or nothing in the engine core, which ignores it.
+    multiprocessing's resource tracker unblocks SIGINT once it has started, so it starts first."""
+    multiprocessing.resource_tracker.ensure_running()
+    main = threading.current_thread() is threading.main_thread()   # where signals are set
+    held = []
+    sigint = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if main:
+            signal.signal(signal.SIGINT, sigint)
+    if held:
+        signal.raise_signal(signal.SIGINT)
+
+
+def follow_parent():
+    """First in a process spawned under sigint_held (nanoserve's engine core, a tensor-parallel
+    worker), whose parent stops it by closing its pipe. SIGINT and SIGTERM are the parent's to
+    act on, so they are ignored here (a blocked one that waits is dropped with them). A parent
+    that dies first, however it went (Ctrl-C while this child starts, SIGKILL), ends this
+    process at once, by _exit_with: no one would read its pipe again, and on a GPU a collective
+    waiting for a dead rank 0 never returns."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process().sentinel,),
+                     name="nanoserve-parent-watch", daemon=True).start()
+
+
+def _exit_with(sentinel):
+    multiprocessing.connection.wait([sentinel])    # readable once the parent has exited
+    os._exit(1)
+
+
 def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
     that builds make_runner(cfg) (nanoserve's ModelRunner) and follows rank 0's steps
@@ -1838,16 +1882,7 @@ class TensorParallelWorkers:
         self.exit_on_death = backend == "nccl"
         self.close = multiprocessing.util.Finalize(
             self, _close_workers, (self.pipes, self.procs, self.closed), exitpriority=100)
-        # Ctrl-C reaches every process of the terminal's group. It stops rank 0 alone, and
-        # the workers by close: they are born with it blocked, until they ignore it
-        # (_worker_main). One that comes while they spawn is held, and raised once they are.
-        # multiprocessing's resource tracker unblocks it once it has started, so it starts first.
-        multiprocessing.resource_tracker.ensure_running()
-        main = threading.current_thread() is threading.main_thread()   # where signals are set
-        held = []
-        sigint = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        with sigint_held():            # Ctrl-C stops rank 0 alone, and the workers by close
             for rank in range(1, n):
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main, name=f"nanoserve-tp-rank-{rank}",
@@ -1857,12 +1892,6 @@ class TensorParallelWorkers:
                 reader.close()         # the worker's end, closed here: a dead worker's pipe breaks
                 self.pipes.append(writer)
                 self.procs.append(proc)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-            if main:
-                signal.signal(signal.SIGINT, sigint)
-        if held:
-            raise KeyboardInterrupt    # close stops the workers, as when start-up is stopped
         sentinels = [p.sentinel for p in self.procs]
         threading.Thread(target=_watch, args=(weakref.ref(self), sentinels, self.closed),
                          name="nanoserve-tp-watchdog", daemon=True).start()
@@ -1936,9 +1965,7 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
     """A worker process: its signals, its GPU, its place in the group, then rank 0's
     start-up and steps; once the pipe closes (rank 0 is gone), out at once: no
     teardown waits on a dead peer."""
-    for sig in (signal.SIGINT, signal.SIGTERM):    # as the engine core: what stops rank 0 (the
-        signal.signal(sig, signal.SIG_IGN)         # server, Ctrl-C) stops us by the pipe's EOF
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked from birth (above)
+    follow_parent()                # what stops rank 0 (the server, Ctrl-C) stops us by EOF
     if _backend(cfg.device) == "nccl":
         cfg.device = f"cuda:{rank}"
         torch.cuda.set_device(rank)

@@ -2951,6 +2951,49 @@ def test_tensor_parallel_ctrl_c_exits_quietly():
         wait_exited(children + in_session(proc.pid), 10)   # rank 2 too, spawned after the signal
 
 
+def test_serve_ctrl_c_while_the_engine_core_starts():
+    """Ctrl-C on `serve --tensor-parallel-size 3` while its engine core process imports torch,
+    and once it has loaded its weights (before it tells the server it is ready): the server
+    exits with code 130 within seconds, no process prints a traceback (none of
+    KeyboardInterrupt in an import, nor of BrokenPipeError when the engine core reports ready
+    to a server that has gone), and every process it started exits."""
+    server_config()                                  # skips without the default model
+    import subprocess
+    for when in ("importing", "loaded"):
+        proc = subprocess.Popen(
+            [sys.executable, "nanoserve.py", "serve", "--device", "cpu", "--port", str(free_port()),
+             "--tensor-parallel-size", str(TP), "--num-threads", "1"],
+            cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            if when == "importing":                 # the engine core has mapped libtorch
+                torch_mapped, deadline = False, time.time() + 60
+                while not torch_mapped and time.time() < deadline:
+                    time.sleep(0.001)
+                    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                        for child in f.read().split():
+                            with open(f"/proc/{child}/maps") as maps:
+                                torch_mapped = torch_mapped or "libtorch" in maps.read()
+                assert torch_mapped, "no engine core importing torch"
+                time.sleep(1)                       # about when triton comes after it
+            else:                                   # the engine core's first line on stderr
+                assert select.select([proc.stderr], [], [], 120)[0], "nothing loaded"
+                assert b"loaded" in proc.stderr.readline()
+            os.killpg(proc.pid, signal.SIGINT)
+            sent = time.time()
+            code = proc.wait(timeout=30)
+            took = time.time() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        wait_exited(in_session(proc.pid), 10)      # the engine core ends with its server
+        err = proc.stderr.read().decode()
+        print(f"Ctrl-C while {when}: exit code {code} after {took:.1f} s")
+        assert "Traceback" not in err, err
+        assert code == 130 and took < 15, (code, took)
+
+
 TP_CUDA_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(200, 290))]
 
 
