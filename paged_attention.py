@@ -1912,8 +1912,8 @@ def _close_workers(pipes, procs, closed):
     """Each worker reads EOF and exits; one still inside a step that rank 0 left (a
     failed step, Ctrl-C) waits in a collective for good, so it is killed after 1 s.
     Then a gloo group goes, so another engine may start. An NCCL group stays: destroying
-    it is a collective that waits for every rank, and the workers are gone. On 2 H100s
-    it hung there for good. So on GPUs the next engine needs a new process (start_workers)."""
+    it is a collective that waits for every rank, and with the workers gone it would never
+    return. So on GPUs the next engine needs a new process (start_workers)."""
     closed.set()                       # for the watchdog: from now on a death is no fault
     for pipe in pipes:
         pipe.close()
