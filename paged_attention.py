@@ -1731,14 +1731,15 @@ def sigint_held():
     multiprocessing's resource tracker unblocks SIGINT once it has started, so it starts first."""
     multiprocessing.resource_tracker.ensure_running()
     main = threading.current_thread() is threading.main_thread()   # where signals are set
-    held = []
-    sigint = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
+    held, sigint = [], signal.getsignal(signal.SIGINT) if main else None   # None: not Python's
+    if sigint is not None:
+        signal.signal(signal.SIGINT, lambda *_: held.append(1))
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        if main:
+        if sigint is not None:
             signal.signal(signal.SIGINT, sigint)
     if held:
         signal.raise_signal(signal.SIGINT)
