@@ -1698,7 +1698,7 @@ class EngineCoreAbort:
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """In the engine core process's main thread: owns the scheduler, BlockAllocator, ModelRunner and
     device; steps while work is queued. `setup(core)` runs first if given (tests inject faults)."""
-    pa.follow_parent()             # Ctrl-C, SIGTERM: the server's; it stops us (EOF), or its death
+    pa.follow_parent()             # the server handles Ctrl-C and SIGTERM. Its EOF or death ends us
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
@@ -1711,7 +1711,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     # The outputs go out through one worker thread, in order: the step loop never waits on the
     # server (with both pipes full, the two processes would wait on each other).
     sender = ThreadPoolExecutor(max_workers=1)
-    sender.submit(outbox.send, EngineCoreOutputs([], core.stats()))   # ready (gone: EOF below)
+    sender.submit(outbox.send, EngineCoreOutputs([], core.stats()))   # ready, safe with no server
     while True:
         try:   # block only when idle; while sequences run, take what has arrived
             messages = [] if core.has_unfinished() else [inbox.recv()]
