@@ -1396,11 +1396,12 @@ def spec_cpu(args, model_dir):
 
     def one_nanoserve(prompt, drafts):
         llm.engine.cfg.num_speculative_tokens = drafts     # the scheduler reads it every step
-        steps, drafted, accepted = stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens
+        spec = stats.speculation
+        steps, drafted, accepted = stats.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens
         seconds, out = timed(lambda: llm.generate([prompt], params)[0], "cpu")
         return seconds, len(out.token_ids), dict(
             steps=stats.num_steps - steps - 1,            # the prompt's step is not a decode
-            drafted=stats.num_draft_tokens - drafted, accepted=stats.num_accepted_tokens - accepted)
+            drafted=spec.num_draft_tokens - drafted, accepted=spec.num_accepted_tokens - accepted)
 
     def one_hf(prompt, drafts):
         extra = {"prompt_lookup_num_tokens": drafts} if drafts else {}
@@ -1529,23 +1530,23 @@ def spec_gpu(args, model_dir):
     for turn in range(args.repeats):
         for drafts in ((0, k) if turn % 2 == 0 else (k, 0)):
             llm.engine.cfg.num_speculative_tokens = drafts
-            before = llm.engine.scheduler.num_draft_tokens
+            before = llm.engine.scheduler.speculation.num_draft_tokens
             seconds, outs = timed(lambda: nanoserve_generate(llm, prompts, [n for _, n in lengths]), args.device)
             rates[drafts].append(sum(len(o.token_ids) for o in outs) / seconds)
             log(f"  offline turn {turn} drafts {drafts}: {rates[drafts][-1]:.0f} tok/s, "
-                f"{llm.engine.scheduler.num_draft_tokens - before} tokens drafted")
+                f"{llm.engine.scheduler.speculation.num_draft_tokens - before} tokens drafted")
     report("nanoserve", f"offline {args.num_seqs} seqs, drafts off", tok_s=statistics.mean(rates[0]))
     report("nanoserve", f"offline {args.num_seqs} seqs, k={k}", tok_s=statistics.mean(rates[k]),
            vs_off=statistics.mean(rates[k]) / statistics.mean(rates[0]))
     # -- concurrency below and above the rule's crossover, the rule lifted --
-    limit, ns.Scheduler.SPECULATE_MAX_ROWS = ns.Scheduler.SPECULATE_MAX_ROWS, 10 ** 6
+    limit, ns.Speculation.SPECULATE_MAX_ROWS = ns.Speculation.SPECULATE_MAX_ROWS, 10 ** 6
     for B in args.concurrency:
         base = random_prompts(rng, shape.vocab_size, [64] * B)
         batch = [p + p[:32] for p in base]           # each repeats itself: drafts to check
         tok_s = {}
         for drafts in (0, k, 0, k):
             llm.engine.cfg.num_speculative_tokens = drafts
-            s0 = llm.engine.scheduler
+            s0 = llm.engine.scheduler.speculation
             d0, a0 = s0.num_draft_tokens, s0.num_accepted_tokens
             seconds, outs = timed(lambda: nanoserve_generate(llm, batch, args.output_len), args.device)
             tok_s[drafts] = max(tok_s.get(drafts, 0), sum(len(o.token_ids) for o in outs) / seconds)
@@ -1553,7 +1554,7 @@ def spec_gpu(args, model_dir):
                 acceptance = (s0.num_accepted_tokens - a0) / max(1, s0.num_draft_tokens - d0)
         report("nanoserve", f"B={B} at once, rule lifted", off_tok_s=tok_s[0], on_tok_s=tok_s[k],
                on_vs_off=tok_s[k] / tok_s[0], acceptance=acceptance)
-    ns.Scheduler.SPECULATE_MAX_ROWS = limit
+    ns.Speculation.SPECULATE_MAX_ROWS = limit
     # -- bf16 agreement: speculative against plain, plain alone against plain batched --
     base = random_prompts(rng, shape.vocab_size, [48] * args.agreement_prompts)
     prompts = [p + p[:24] for p in base]

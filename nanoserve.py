@@ -19,16 +19,22 @@ Run it:
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
-Read it top to bottom, config to CLI; README.md's reading path times each stop. A request enters
-at the HTTP handler (or LLM.generate), is tokenized by the FrontEnd, and crosses a pipe to the
-engine core process. There it becomes a Sequence, is scheduled step by step into a flat batch, runs
-through Model.forward and is sampled; its token ids cross back for the FrontEnd to turn into text.
+It reads in two parts. Part one, config to CLI, is the engine every request goes through, top to
+bottom; README.md's reading path times each stop. A request enters at the HTTP handler (or
+LLM.generate), is tokenized by the FrontEnd, and crosses a pipe to the engine core process. There
+it becomes a Sequence, is scheduled step by step into a flat batch, runs through Model.forward and
+is sampled; its token ids cross back for the FrontEnd to turn into text. Then come the chapters,
+one per feature a request may or may not use (speculative decoding, structured output and tool
+calls, log-probs and logit edits, tensor parallelism, fp8 weights, the rest of the OpenAI API,
+signals). Each enters part one through seams: single lines labelled "# chapter: NAME", which do
+nothing while the feature is off.
 """
 
 from __future__ import annotations
 
 import argparse, asyncio, contextlib, dataclasses, faulthandler, functools, hmac, json, math
-import multiprocessing, os, queue, re, socket, sys, threading, time, traceback, uuid
+import multiprocessing, os, queue, re, signal, socket, sys, threading, time, traceback, uuid
+import multiprocessing.connection, multiprocessing.resource_tracker, multiprocessing.util, weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +46,7 @@ import llguidance
 import numpy as np
 import prometheus_client
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import uvicorn
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -93,7 +100,7 @@ class Config:
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     tensor_parallel_size: int = _flag(1, "GPUs the model is split over (on cpu: processes)")
     quantization: Optional[str] = _flag(None, "fp8: the layers' weights in fp8 e4m3, a scale per "
-                                              "output channel, quantized at load (build_model)")
+                                              "output channel, quantized at load")
     num_speculative_tokens: int = _flag(0, "drafts checked per decode step (0: off; at most 15)")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
@@ -161,7 +168,7 @@ class Config:
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
     def _check(self):
-        if not 0 <= (k := self.num_speculative_tokens) <= 15:   # verify chunks fit a 16-graph
+        if not 0 <= (k := self.num_speculative_tokens) <= 15:   # chapter: speculative decoding
             raise ValueError(f"num_speculative_tokens must be in [0, 15], got {k}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -179,10 +186,7 @@ class Config:
         if self.attention == "triton" and not self.device.startswith("cuda") \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
-        if self.quantization and self.device.startswith("cuda") and \
-                torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise ValueError("quantization fp8 needs fp8 tensor cores (compute capability 8.9 "
-                             "or above: Ada, Hopper); run this GPU without it")
+        check_fp8(self)                                        # chapter: fp8 weights
 
     torch_dtype = property(lambda self: getattr(torch, self.dtype))
 
@@ -193,7 +197,7 @@ class Config:
 
 def engine_name(key: str, cfg: Config) -> tuple[str, slice]:
     """Where a checkpoint tensor lands: (engine parameter, row slice of it)."""
-    tp = cfg.tensor_parallel_size           # a rank holds 1/tp of each (pa.shard cuts them)
+    tp = cfg.tensor_parallel_size      # chapter: tensor parallelism (a rank's 1/tp; 1 when off)
     q, kv = cfg.num_heads * cfg.head_dim // tp, cfg.num_kv_heads * cfg.head_dim // tp
     i = cfg.intermediate_size // tp                            # I
     fused = {"q_proj": ("qkv_proj", slice(0, q)), "k_proj": ("qkv_proj", slice(q, q + kv)),
@@ -229,6 +233,7 @@ def load_weights(model: nn.Module, cfg: Config):
                 target, rows = engine_name(key, cfg)
                 if target not in params:
                     raise ValueError(f"unexpected tensor {key!r} in {path.name}")
+                # chapter: tensor parallelism (a rank's cut of the tensor; all of it when off)
                 tensor = pa.shard(f.get_tensor(key), key, cfg.tensor_parallel_size)
                 params[target].data[rows].copy_(tensor)  # copy_ casts to the engine dtype
                 num_rows_loaded[target] += tensor.shape[0]
@@ -302,7 +307,7 @@ class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv K/V heads."""
     def __init__(self, cfg: Config):
         super().__init__()
-        tp = cfg.tensor_parallel_size       # a rank holds 1/tp of the heads (Engine core process)
+        tp = cfg.tensor_parallel_size      # chapter: tensor parallelism (a rank's 1/tp; 1 when off)
         self.n_heads, self.n_kv, self.hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         self.split_sizes = [q_size, kv_size, kv_size]      # the rows of q, k, v in qkv_proj
@@ -324,6 +329,7 @@ class Attention(nn.Module):
         self.rope_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, positions,
                         rope.cos, rope.sin)
         o = self.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # (N_tok, n_heads, hd)
+        # all_reduce: chapter: tensor parallelism (nothing when off)
         return pa.linear(o.reshape(n, self.n_heads * self.hd), self.o_proj.weight,
                          residual=residual, all_reduce=True)   # (N_tok, D)
 
@@ -331,13 +337,14 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
     def __init__(self, cfg: Config):
         super().__init__()
-        I = cfg.intermediate_size // cfg.tensor_parallel_size     # a rank's channels
+        I = cfg.intermediate_size // cfg.tensor_parallel_size   # chapter: tensor parallelism
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * I, bias=False)
         self.down_proj = nn.Linear(I, cfg.hidden_size, bias=False)
 
     def forward(self, x, norm=None, residual=None):           # (N_tok, D)
         """residual + mlp(norm(x)), norm and residual optional."""
         gate_up = pa.linear(x, self.gate_up_proj.weight, norm=norm)   # (N_tok, 2 I)
+        # all_reduce: chapter: tensor parallelism (nothing when off)
         return pa.linear(gate_up, self.down_proj.weight, silu_mul=True, residual=residual,
                          all_reduce=True)                      # (N_tok, D)
 
@@ -388,19 +395,16 @@ def build_model(cfg: Config) -> Model:
     model = model.to(cfg.torch_dtype).to_empty(device=cfg.device)  # memory, not values
     model.rope = RotaryEmbedding(cfg).to(cfg.device)           # buffers were meta; recompute
     load_weights(model, cfg)
-    if cfg.quantization == "fp8":    # fp8: the layers' matmuls, not the LM head (pa.quantize_fp8)
-        for module in model.layers.modules():
-            if isinstance(module, nn.Linear):
-                module.weight = pa.quantize_fp8(module.weight)   # (N, K) e4m3, .scale (N,)
+    quantize_fp8_weights(model, cfg)                           # chapter: fp8 weights
     return model.eval()
 
 # ---------------------------------------------------------------------------
 # Sampler
-# One pass over the whole batch's logits, in this order: logit_bias and the penalties, the grammar
-# masks, then greedy or temperature, top-k and top-p sampling (each step's contract is a torch
-# function in paged_attention.py's first section), and the log-probs if asked. Each row carries
-# its own settings, so one request's choices never change another's; a seeded row draws its noise
-# from its own generator. No step waits for the host (no sync).
+# One pass over the whole batch's logits: greedy, or temperature, top-k and top-p sampling (each
+# step's contract is a torch function in paged_attention.py's first section). Each row carries
+# its own settings, so one request's choices never change another's. A seeded row draws its noise
+# from its own generator. No step waits for the host (no sync). Two chapters edit the logits
+# before the draw (logit_bias and penalties; grammar masks), and one reads them after (log-probs).
 
 @dataclass
 class SamplingParams:
@@ -418,7 +422,8 @@ class SamplingParams:
     presence_penalty: float = 0.0     # OpenAI's, in [-2, 2]: minus this if generated before,
     frequency_penalty: float = 0.0    # and minus this times the count so far
     repetition_penalty: float = 1.0   # transformers': a seen token's logit / this (x this if < 0)
-    grammar: Optional[str] = None     # llguidance grammar the output must match (FrontEnd.grammar)
+    grammar: Optional[str] = None     # llguidance grammar the output must match (chapter:
+                                      # structured output)
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -437,18 +442,16 @@ class SamplingBatch:
     all_greedy: bool
     needs_top_k_top_p: bool
     max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
-    logit_edits: Optional[tuple] = None  # see pa.apply_logit_edits; None: no row has any
-    allowed: Optional[tuple] = None   # see pa.apply_token_mask; None: no grammar
+    logit_edits: Optional[tuple] = None  # chapter: log-probs and logit edits (None: no row has any)
+    allowed: Optional[tuple] = None   # chapter: structured output (None: no row has a grammar)
 
 def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     """Return the sampled token ids (B,) and, if asked, their log-probs."""
     plain = batch.all_greedy and batch.max_logprobs is None and batch.logit_edits is None \
         and batch.allowed is None
     raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
-    logits = raw if batch.logit_edits is None else pa.apply_logit_edits(raw, batch.logit_edits)
-    if batch.allowed is not None:         # in place: on a copy if raw's log-probs are to come
-        keep_raw = logits is raw and batch.max_logprobs is not None
-        logits = pa.apply_token_mask(logits.clone() if keep_raw else logits, *batch.allowed)
+    logits = edit_logits(raw, batch)                 # chapter: log-probs and logit edits
+    logits = mask_logits(logits, raw, batch)                   # chapter: structured output
     tokens = pa.argmax_rows(logits)                        # (B,), the greedy choice
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
@@ -465,12 +468,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
             noise[row].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)           # (B,)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
-    if batch.max_logprobs is None:
-        return tokens, None
-    # Log-probs as the OpenAI API reports them: the model's own (before edits, temperature, top-p)
-    logp = raw.log_softmax(dim=-1)                         # (B, V) fp32
-    top = logp.topk(batch.max_logprobs, dim=-1)            # (B, k) values and indices
-    return tokens, (logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices)
+    return tokens, sampled_logprobs(raw, tokens, batch)       # chapter: log-probs and logit edits
 
 # ---------------------------------------------------------------------------
 # Block allocator
@@ -531,38 +529,30 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 
 # ---------------------------------------------------------------------------
 # Scheduler
-# Every step the scheduler decides which sequences run and how many of their tokens. The admission
-# rule: running sequences first, since a skipped decode stalls its stream for a whole step to save
-# one token of the budget (an unfinished prefill takes a chunk of it); then waiting ones in order
-# (arrival, a preempted one first) while budget, seats (max_num_seqs) and blocks last. At a burst
-# (waiting prompts fill whole steps), decodes ride along only every DECODES_EVERY-th step: a decode
-# costs about as much in a full prompt step as alone (its K/V is read either way), so its cost is
-# paid in one step of those, prompts get the rest sooner, and streams still move (README, Speed).
-# When the pool runs dry, the latest admitted sequence is preempted: freed, recomputed later.
+# Every step the scheduler decides which sequences run and how many of their tokens. Running
+# sequences go first. Skipping a decode would stall its stream for a whole step, and would save
+# only one token of the budget. An unfinished prefill takes a chunk of the budget. Waiting
+# sequences come next, in arrival order; a preempted one is first in line. They are admitted
+# while the budget, the seats (max_num_seqs) and the free blocks last.
+# At a burst, waiting prompts fill whole steps. Then decodes ride along only every
+# DECODES_EVERY-th step. A decode costs about as much in a full prompt step as alone, since its
+# K/V is read either way. So its cost is paid in one step of those, prompts get the rest sooner,
+# and streams still move (README, Speed).
+# When the pool runs dry, the latest admitted sequence is preempted: freed, and recomputed later.
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
 
-    The pending token (async scheduling). EngineCore.step launches step N+1 before it reads step
-    N's tokens back, so the host's work hides behind the device's; a sequence's input in step N+1
-    is then the token it sampled in step N, still only in device memory: its pending token. One
-    decoding sequence through one EngineCore.step, L = len(token_ids) before it:
-
-        moment in EngineCore.step                      len(token_ids)  pending  computed
-        before: step N launched and sampled                  L            1         L
-        schedule: n = L + 1 - L = 1 token to compute         L            1         L
-        launch step N+1, counted                             L            2       L + 1
-        commit step N: its token read back, appended       L + 1          1       L + 1
-        sample step N+1: its token on the device           L + 1          1       L + 1
-
-    The invariant, once the prompt is computed: num_computed_tokens == len(token_ids) +
-    num_pending_tokens - 1 (every token but the newest is launched); num_pending_tokens is 0 or 1
-    except between a launch and the commit of the step before. Scheduler.schedule counts it as a
-    token to compute (_ends_when_read: unless it is the last); ModelRunner._flatten leaves a
-    placeholder in its input row, filled on the device from the step before's samples
-    (_put_input_ids); EngineCore._launch adds 1, _commit takes it off and appends the token (or
-    drops it if the sequence ended meanwhile). A prefill chunk not the prompt's last samples
-    nothing; a step with grammar rows samples later, once their masks are filled (ModelRunner)."""
+    The pending token. EngineCore.step launches step N+1 before it reads step N's tokens back, so
+    the host's work hides behind the device's. A sequence's input in step N+1 is then the token
+    it sampled in step N, which is still only in device memory: its pending token.
+    num_pending_tokens counts the tokens sampled, or launched to be sampled, that are not in
+    token_ids yet. The scheduler computes a pending token like any other. ModelRunner._flatten
+    leaves a placeholder in its input row, which _put_input_ids fills on the device. Once the
+    prompt is computed, num_computed_tokens == len(token_ids) + num_pending_tokens - 1: every
+    token but the newest is launched. The table beside EngineCore.step follows one sequence
+    through a step; this much is enough to read on. A prefill chunk that is not the prompt's last
+    samples nothing, so it leaves no pending token."""
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
@@ -575,54 +565,23 @@ class Sequence:
         self.num_pending_tokens = 0      # launched to be sampled, not yet in token_ids (above)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set
-        self.matcher = None   # with params.grammar: a Future of its llguidance matcher (EngineCore)
-        self.prompt_logprobs: list = []  # (logprob, {token: logprob}) of prompt tokens 1, 2, ...
-        self.draft_token_ids: list = []  # this step's drafts, until read back (num_accepted)
-        self.ngrams = pa.NgramIndex()    # where each n-gram of token_ids last occurred
+        self.matcher = None                                    # chapter: structured output
+        self.prompt_logprobs: list = []                  # chapter: log-probs and logit edits
+        self.draft_token_ids: list = []                       # chapter: speculative decoding
+        self.ngrams = NgramIndex()                            # chapter: speculative decoding
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
     is_finished = property(lambda self: self.status == "finished")
-
-def num_accepted(draft_token_ids: list, sampled: list) -> int:
-    """Speculative decoding, whole. A decode step reads every weight for one token per row; at a
-    small batch it can check several tokens for about the same cost. Four parts:
-    - draft: Scheduler._draft guesses up to num_speculative_tokens (k) next tokens by prompt
-      lookup, what followed the last few tokens where they occurred before (pa.NgramIndex);
-    - verify: its newest token and the drafts run as one causal chunk, each row sampled (_flatten);
-    - accept: the drafts up to the first that differs from the token sampled at its place are
-      kept, and that sampled token too (this function counts the drafts kept; Scheduler.accept);
-    - rewind: num_computed_tokens moves back past the rejected drafts, whose K/V is overwritten
-      later, and blocks held only for them go back to the pool. No prefix hash covers them: only
-      read-back tokens are hashed.
-    One step, k = 3, token_ids ending "... sat on the", num_computed_tokens L - 1 (L tokens): "on
-    the" came before, followed by "mat . The", the drafts. The chunk [the, mat, ., The] runs at
-    positions L-1..L+2 and samples [mat, ., It, cat]: two drafts agree, so "mat . It" is appended,
-    3 tokens for one step. num_computed_tokens went to L + 3 at launch, and back by the rejected
-    draft to L + 2: len(token_ids) - 1, as always.
-    Sampling is exact too. A draft d is kept iff the row's draw x from p equals it, which happens
-    with probability p(d); a rejected row emits x, a draw from p without d, renormalized. That is
-    the standard rule for a deterministic draft: the output is distributed as plain sampling, and
-    a seeded row, drawing in row order, stays reproducible. Not drafted: rows with a grammar or a
-    penalty (a row's mask or counts would need the drafts before it), and all rows while more than
-    Scheduler.SPECULATE_MAX_ROWS run, where a verify step costs well over a decode (README). A
-    step that may draft (Scheduler.may_draft) first reads the step before back: no one-ahead
-    overlap in that step, since a draft follows the newest token, which must be on the host."""
-    return next((j for j, (d, x) in enumerate(zip(draft_token_ids, sampled)) if d != x),
-                len(draft_token_ids))
 
 @dataclass
 class ScheduledBatch:
     """What one step runs: each sequence with its number of new tokens."""
     seqs: list
     num_new_tokens: list
-    num_draft_tokens: int = 0         # of those, drafts to verify (num_accepted)
     is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
 
 class Scheduler:
     DECODES_EVERY = 4     # at a burst, decodes ride along every 4th step (the burst rule, above)
-    SPECULATE_MAX_ROWS = 16   # speculative decoding: drafts only while at most 16 rows run
-    speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens   # (num_accepted)
-                          and len(self.running) <= self.SPECULATE_MAX_ROWS)
 
     def __init__(self, cfg: Config, allocator: BlockAllocator):
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
@@ -630,7 +589,7 @@ class Scheduler:
         self.running: list[Sequence] = []      # in admission order
         self.num_steps = self.num_preemptions = 0    # counts; a step that preempts admits no one
         self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
-        self.num_draft_tokens = self.num_accepted_tokens = 0   # speculative decoding's
+        self.speculation = Speculation(cfg, self)             # chapter: speculative decoding
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
@@ -645,10 +604,9 @@ class Scheduler:
                 continue
             # a pending token is computed like any other (see Sequence)
             n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
-            drafts = self._draft(seq, budget)      # speculative decoding: see num_accepted
+            drafts = self.speculation.draft(seq, budget)       # chapter: speculative decoding
             if self._reserve_blocks(seq, n + len(drafts)):
-                seq.draft_token_ids, n = drafts, n + len(drafts)
-                batch.num_draft_tokens += len(drafts)
+                seq.draft_token_ids, n = drafts, n + len(drafts)   # chapter: speculative decoding
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
                 budget -= n
         # -- admit waiting sequences while budget, seats and blocks allow --
@@ -687,37 +645,6 @@ class Scheduler:
         room = self.allocator.num_free_blocks * self.block_size >= 2 * budget
         fills_step = sum(seq.num_tokens for seq in self.waiting) >= budget
         return seat_free and room and fills_step
-
-    def _draft(self, seq: Sequence, budget: int) -> list:
-        """seq's drafts this step (num_accepted); accepting all stays within the length limits."""
-        if not self.speculates or seq.matcher is not None or seq.params.needs_output_history \
-                or seq.num_computed_tokens != seq.num_tokens - 1:   # pending, or a prefill
-            return []
-        k = min(self.cfg.num_speculative_tokens, budget - 1, self.cfg.max_model_len - seq.num_tokens
-                - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return seq.ngrams.propose(seq.token_ids, k) if k > 0 else []
-
-    def may_draft(self) -> bool:
-        """Speculative decoding: whether the next step is worth a read-back first (num_accepted).
-        Yes where a row's tokens so far end in an n-gram seen before: copied text keeps matching,
-        other text seldom starts to, and there the one-ahead overlap is kept."""
-        return self.speculates and any(seq.matcher is None and seq.ngrams.propose(seq.token_ids, 1)
-                                       for seq in self.running)
-
-    def accept(self, seq: Sequence, tokens: list) -> int:
-        """num_accepted's accept and rewind: how many of seq's sampled tokens it keeps (1 without
-        drafts). Rejected drafts' K/V is overwritten later; blocks held only for them go back."""
-        drafts, seq.draft_token_ids = seq.draft_token_ids, []
-        num_kept = num_accepted(drafts, tokens)
-        if drafts and not seq.is_finished:        # (an aborted one has no blocks left)
-            self.num_draft_tokens += len(drafts)
-            self.num_accepted_tokens += num_kept
-            seq.num_computed_tokens -= len(drafts) - num_kept
-            num_blocks = -(-seq.num_computed_tokens // self.block_size)   # ceil
-            for block in reversed(seq.block_table[num_blocks:]):
-                self.allocator.free(block)
-            del seq.block_table[num_blocks:]
-        return num_kept + 1
 
     def _ends_when_read(self, seq: Sequence) -> bool:
         """True if seq's pending token is its last by length: no later step is worth launching."""
@@ -762,7 +689,7 @@ class Scheduler:
     def _reuse_cached_prefix(self, seq: Sequence):
         """Point seq at the cached blocks of its longest cached prefix."""
         if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return                     # (prompt log-probs need every prompt row computed)
+            return        # chapter: log-probs and logit edits (prompt log-probs need every row)
         self._hash_full_blocks(seq)
         # Leave the last token out: computed for its logits, its K/V must never enter a shared block
         num_reusable = (seq.num_tokens - 1) // self.block_size
@@ -823,29 +750,29 @@ class StepInputs:
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
     num_tokens: int                   # the real tokens; rows past them are padding
-    sample_rows: list                 # the rows sampled (a sequence's last, once no prompt is left)
-    sample_seqs: list                 # and the indices of their sequences in the batch
+    sample_rows: list                 # the rows sampled: a sequence's last, once no prompt is left
+    sample_seqs: list                 # and the index of each one's sequence in the batch
     graph: Optional[tuple]            # (CUDAGraph, its output) to replay; None: run eagerly
 
 @dataclass
 class LaunchedStep:
-    """A step on the device, its whole life: ModelRunner.launch queues its forward pass and logits;
-    EngineCore keeps it as `launched` while the next launches; sample (with grammar rows,
-    finish_sample once their masks are filled) samples it and starts the tokens' copy to the host,
-    which the next EngineCore.step's _commit waits for."""
+    """A step on the device, its whole life. ModelRunner.launch queues its forward pass and
+    logits. EngineCore keeps it as `launched` while the next step launches. ModelRunner.sample
+    samples it and starts the tokens' copy to the host, which the next EngineCore.step's _commit
+    waits for. (A step with grammar rows samples later: chapter: structured output.)"""
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
-    masks: Optional[Future] = None    # token_masks', while they fill (ModelRunner.sample)
+    masks: Optional[Future] = None    # chapter: structured output (None: no grammar row)
     host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, as host copies
     copied: Optional[torch.cuda.Event] = None   # set once `host` is filled (None on CPU)
 
 class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
-        self.workers = pa.start_workers(cfg, ModelRunner)   # ranks 1..N-1 (Engine core process)
-        with pa.stopped_on_error(self.workers):   # tensor parallelism: a failed start stops them
+        self.workers = start_workers(cfg, ModelRunner)   # chapter: tensor parallelism (None: off)
+        with stopped_on_error(self.workers):              # chapter: tensor parallelism
             self.use_cuda = self.device.type == "cuda"
             if self.device.type == "cpu":    # here, where the step loop runs, not in the server
                 pa.set_cpu_threads(cfg.num_threads)
@@ -860,7 +787,7 @@ class ModelRunner:
                 context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
                 cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
                 block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
-            self.grammar_masks = pa.GrammarMasks(   # grammars' matchers and masks (token_masks)
+            self.grammar_masks = GrammarMasks(                 # chapter: structured output
                 str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
                 self.use_cuda)
             self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
@@ -869,7 +796,7 @@ class ModelRunner:
             # Triton only: the torch attention reads lengths on the host, which no graph captures.
             if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
                 self.capture_cuda_graphs()
-        pa.start_steps(self.workers)          # every rank has run the start-up above alike
+        start_steps(self.workers)                        # chapter: tensor parallelism
 
     # -- KV pool --
     def _bind_kv_cache(self, num_blocks: int):
@@ -894,7 +821,7 @@ class ModelRunner:
             num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
         else:
             num_blocks = int(cfg.cpu_kv_cache_gb * 1e9 // block_bytes)
-        num_blocks = pa.min_over_ranks(num_blocks, self.device)   # the same pool on every rank
+        num_blocks = pa.min_over_ranks(num_blocks, self.device)   # chapter: tensor parallelism
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens "
                              "or raise gpu_memory_utilization")
@@ -934,7 +861,8 @@ class ModelRunner:
             block_tables  [[2, 5, 8, 6, 1], [7, 3, 9, 4, 0]]: as wide as the longest, 0-padded
         Only row 0 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 40
         would too). 41 tokens with a prompt among them replay the 48-token graph: _pad adds seven
-        -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41 (block_tables keep their width)."""
+        -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41. The host's block_tables keep
+        their width of 5; the kernels see the graph's full width (_pad's contract)."""
         flat, sample_rows, sample_seqs, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: run eagerly
@@ -944,19 +872,20 @@ class ModelRunner:
                           sample_rows, sample_seqs, self.graphs.get(key))
 
     def put_step(self, flat: dict, key, N: int, S: int, width: int, is_decode: bool) -> tuple:
-        """The padded lists into the buffers, on every rank (a worker too): the model's inputs."""
-        pa.send_step(self.workers, (flat, key, N, S, width, is_decode))   # rank 0: first, the same
+        """The padded lists into the buffers: the model's inputs."""
+        send_step(self.workers, (flat, key, N, S, width, is_decode))  # chapter: tensor parallelism
         for name, values in flat.items():
             pa.put(self.buffers[name], values)
         b = self.buffers
-        pa.broadcast_from_rank0(b["input_ids"][:N])   # rank 0's, pending tokens filled on its GPU
+        pa.broadcast_from_rank0(b["input_ids"][:N])             # chapter: tensor parallelism
         meta = AttentionMetadata(b["slot_mapping"][:N], b["block_tables"][:S, :width],
                                  b["context_lens"][:S], b["cu_seqlens_q"][:S + 1], is_decode)
         return b["input_ids"][:N], b["positions"][:N], meta
 
     def _flatten(self, batch: ScheduledBatch):
         """Each sequence's new tokens in turn as host lists, one per buffer; the rows that sample (a
-        sequence's last token, once no prompt is left); the rows whose input is a pending token."""
+        sequence's last token, once no prompt is left; a drafting one's d + 1 last: chapter:
+        speculative decoding); the rows whose input is a pending token."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
         sample_rows, sample_seqs, pending, tables = [], [], [], []   # pending: (row, seq)
@@ -964,8 +893,8 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             last_row = flat["cu_seqlens_q"][-1] + n - 1
-            d = len(seq.draft_token_ids)       # speculative decoding: the drafts follow, every
-            flat["input_ids"] += seq.token_ids[start:end] + seq.draft_token_ids   # row samples
+            d = len(seq.draft_token_ids)           # chapter: speculative decoding (0 when off)
+            flat["input_ids"] += seq.token_ids[start:end] + seq.draft_token_ids
             if end > seq.num_tokens + d:     # its last input is the pending token (see Sequence)
                 flat["input_ids"].append(0)        # a placeholder: _put_input_ids fills it
                 pending.append((last_row, seq))
@@ -1004,7 +933,7 @@ class ModelRunner:
                        prev: Optional["LaunchedStep"]):
         """The input ids, pending tokens copied from prev's samples on the device."""
         ids = self.buffers["input_ids"]
-        self.finish_sample(prev)          # its masks filled while this step was prepared
+        self.finish_sample(prev)           # chapter: structured output (sampled already when off)
         if pending and batch.is_decode and batch.seqs == prev.seqs:
             ids[:len(batch.seqs)].copy_(prev.tokens)   # a steady decode: same rows, no host ids
             return
@@ -1027,28 +956,13 @@ class ModelRunner:
             generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            all_greedy=all_greedy, logit_edits=self.logit_edits(seqs), allowed=allowed)
-
-    def token_masks(self, seqs: list) -> Optional[tuple]:
-        """A Future of pa.apply_token_mask's rows and bitmasks (what their matchers allow next)."""
-        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
-        if not rows:
-            return None                    # the common case: one check per row
-        matchers = [seqs[row].matcher.result() for row in rows]
-        return self.grammar_masks.fill_async(matchers, rows, self.device)
-
-    def logit_edits(self, seqs: list) -> Optional[tuple]:
-        """pa.apply_logit_edits' entries (pa.logit_edit_entries) for the rows with a bias or a
-        penalty, from every token so far (see sample); None if no row has any."""
-        rows = [(row, seq.token_ids, seq.num_prompt_tokens, seq.params)
-                for row, seq in enumerate(seqs)
-                if seq.params.logit_bias or seq.params.needs_output_history]
-        return pa.logit_edit_entries(rows, self.device) if rows else None
+            all_greedy=all_greedy, allowed=allowed,
+            logit_edits=logit_edits(seqs, self.device))      # chapter: log-probs and logit edits
 
     # -- forward and sample --
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Optional[LaunchedStep] = None) -> LaunchedStep:
-        """Queue one step on the device; it waits only for prev's masks and prompt log-probs."""
+        """Queue one step on the device."""
         inputs = self.prepare(batch, prev)
         if inputs.graph is not None:
             graph, hidden = inputs.graph
@@ -1056,7 +970,7 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # (N_tok, D)
         hidden = hidden[:inputs.num_tokens]                    # the padding rows dropped
-        self.compute_prompt_logprobs(batch, hidden)
+        compute_prompt_logprobs(self, batch, hidden)      # chapter: log-probs and logit edits
         seqs = [batch.seqs[i] for i in inputs.sample_seqs]   # those that sample this step
         if not seqs:                            # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None)
@@ -1066,40 +980,23 @@ class ModelRunner:
         return LaunchedStep(batch, seqs, self.model.compute_logits(hidden))  # (B, V) logits
 
     def sample(self, step: LaunchedStep):
-        """Sample a launched step's rows and start copying tokens back (why now: EngineCore.step),
-        or with grammar rows start their masks: finish_sample samples once they are filled."""
-        step.masks = self.token_masks(step.seqs)
+        """Sample a launched step's rows, and start copying their tokens back (EngineCore.step
+        says why now)."""
+        # chapter: structured output (None when no row has a grammar: sample now)
+        step.masks = self.grammar_masks.start_fill(step.seqs, self.device)
         if step.masks is None:
             self.finish_sample(step)
 
     def finish_sample(self, step: Optional[LaunchedStep]):     # no grad: the logits have none
         if step is None or step.tokens is not None or not step.seqs:
             return                         # sampled already, or nothing to sample
-        allowed = step.masks.result() if step.masks else None   # waits for the masks
+        allowed = step.masks.result() if step.masks else None  # chapter: structured output
         step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs, allowed))
         step.host = [step.tokens, *(logprobs or ())]      # (B,), then (B,), (B, k), (B, k)
         if self.use_cuda:
             step.host = [t.to("cpu", non_blocking=True) for t in step.host]  # into pinned memory
             step.copied = torch.cuda.Event()
             step.copied.record()                           # on the stream, after the copies
-
-    def compute_prompt_logprobs(self, batch: ScheduledBatch, hidden):  # (N_tok, D)
-        """Append to each sequence that asks the entries of the prompt tokens it predicts."""
-        if all(s.params.prompt_logprobs is None for s in batch.seqs):
-            return                      # the common case: no LM head, no host sync
-        C = self.cfg.max_num_seqs       # rows per LM-head call: the sampler's memory budget
-        for seq, rows in zip(batch.seqs, hidden.split(batch.num_new_tokens)):   # (n, D) each
-            k, start = seq.params.prompt_logprobs, seq.num_computed_tokens
-            a = max(start, len(seq.prompt_logprobs))       # a preempted sequence recomputes
-            b = min(start + len(rows), seq.num_prompt_tokens - 1)  # row i predicts token i + 1
-            if k is None or a >= b:
-                continue
-            targets = pa.to_device(self.device, seq.token_ids[a + 1:b + 1], torch.int64)  # (T,)
-            for h, t in zip(rows[a - start:b - start].split(C), targets.split(C)):
-                logp = self.model.compute_logits(h).float().log_softmax(dim=-1)  # (C, V)
-                top, chosen = logp.topk(k, dim=-1), logp.gather(1, t[:, None])[:, 0]
-                seq.prompt_logprobs += [(lp, dict(zip(i, v))) for lp, i, v in zip(
-                    chosen.tolist(), top.indices.tolist(), top.values.tolist())]
 
     # -- CUDA graphs: a decode step replays the graph of the next batch size up (decode attention),
     # a step with prompt tokens that of the next token count up (prefill attention) --
@@ -1145,7 +1042,8 @@ class EngineCoreRequest:
 class EngineCoreOutput:
     """What one step produced for one request."""
     request_id: str
-    token_id: Optional[int]           # the sampled token (None if the request failed)
+    token_id: Optional[int]           # the sampled token; None if the request failed, or if
+                                      # max_tokens is 0 (the prompt was only scored)
     logprobs: Optional[tuple] = None  # (logprob, {token_id: logprob}) if asked
     finish_reason: Optional[str] = None   # "stop", "length" or "error"
     error: str = ""                   # what failed, with finish_reason "error"
@@ -1155,7 +1053,7 @@ class EngineCoreOutput:
 @dataclass
 class EngineCoreOutputs:
     """What one turn of the engine core's loop sends back: a step's outputs, or none."""
-    outputs: list                     # EngineCoreOutput, one per sequence that sampled or failed
+    outputs: list                     # EngineCoreOutput: one per token kept, one per failure
     stats: dict                       # EngineCore.stats() after the step (for /metrics)
 
 class EngineCore:
@@ -1174,8 +1072,8 @@ class EngineCore:
         seq = Sequence(request.request_id, request.prompt_token_ids, request.params)
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
-        if request.params.grammar is not None:   # ready long before its first sample, mostly
-            seq.matcher = self.runner.grammar_masks.start_matcher(request.params.grammar)
+        # chapter: structured output (None when the request has no grammar)
+        seq.matcher = self.runner.grammar_masks.start_matcher(request.params.grammar)
         self.seqs[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
 
@@ -1189,13 +1087,30 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list:
-        """Launch the next step, read back the previous call's, then sample the new one: after the
-        read-back, penalties and grammars see every token so far, and the host's work still hides
-        behind the new step's forward pass. Returns an EngineCoreOutput per sequence that sampled
-        in the step read back and had not ended meanwhile (none the first call)."""
+        """Launch the next step, read back the previous call's, then sample the new one. Sampling
+        after the read-back means that whatever reads the tokens so far to sample (a chapter's
+        penalty or grammar) sees all of them, and the host's work still hides behind the new
+        step's forward pass. Returns an EngineCoreOutput per token read back and kept (none on
+        the first call).
+
+        The pending token (see Sequence), followed through one call of step for one decoding
+        sequence, L = len(token_ids) before it:
+
+            moment in step                                 len(token_ids)  pending  computed
+            before: step N launched and sampled                  L            1         L
+            schedule: n = L + 1 - L = 1 token to compute         L            1         L
+            _launch: step N+1 launched, counted                  L            2       L + 1
+            _commit: step N's token read back, appended        L + 1          1       L + 1
+            sample: step N+1's token sampled on the device     L + 1          1       L + 1
+
+        So the count is 1 between calls, and 2 between a launch and the commit of the step before.
+        It is 0 until the prompt's last chunk is launched, and after a failed step (fail_running).
+        A sequence whose pending token is its last, by length, is not scheduled again
+        (Scheduler._ends_when_read): reading that token back ends it."""
         prev, self.committed = self.launched, []
-        if prev is not None and (prev.batch.num_draft_tokens or self.scheduler.may_draft()):
-            self.committed, prev = self._commit(prev), None   # speculative decoding: num_accepted
+        # chapter: speculative decoding (False when off: step N+1 launches before step N is read)
+        if prev is not None and self.scheduler.speculation.reads_back_first(prev):
+            self.committed, prev = self._commit(prev), None
         self.launched = self._launch(prev)         # step N+1, before step N is read back
         if prev is not None:
             self.committed = self._commit(prev)    # delivered even if sample raises (fail_running)
@@ -1210,24 +1125,22 @@ class EngineCore:
         step = self.runner.launch(batch, prev)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n        # their K/V are on the way into the cache
-        for seq in step.seqs:
-            seq.num_pending_tokens += 1         # sampled after the next commit (see Sequence)
+        for seq in step.seqs:                   # one per row it samples
+            seq.num_pending_tokens += 1         # read back by the next step's _commit (the table)
         return step
 
     def _commit(self, step: LaunchedStep) -> list:
         """Read a step's tokens back (its one host-device sync) and hand each to its sequence."""
-        self.runner.finish_sample(step)         # unless the step after needed its tokens
+        self.runner.finish_sample(step)            # chapter: structured output (sampled when off)
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         host = [t.tolist() for t in step.host]   # tokens (B,), then log-probs: (B,), (B, k), (B, k)
         tokens = host[0] if host else []
-        self.runner.grammar_masks.consume([(s.matcher.result(), t) for s, t in zip(step.seqs,
-            tokens) if s.matcher is not None and not s.is_finished])  # grammars follow the output
-        outputs, pairs = [], iter(zip(step.seqs, zip(*host)))   # row: its token, then log-probs
-        for seq, row in pairs:
-            rows = [row, *(next(pairs)[1] for _ in seq.draft_token_ids)]  # speculative decoding
-            seq.num_pending_tokens -= len(rows)     # read: no longer pending (see Sequence)
-            for row in rows[:self.scheduler.accept(seq, [token for token, *_ in rows])]:
+        self.runner.grammar_masks.follow(step.seqs, tokens)         # chapter: structured output
+        outputs, rows = [], iter(zip(step.seqs, zip(*host)))   # a row: its token, then log-probs
+        for seq, row in rows:
+            seq.num_pending_tokens -= 1         # read: no longer pending (the table at step)
+            for row in self.scheduler.speculation.accept(seq, row, rows):  # chapter: speculative
                 if not seq.is_finished:         # else aborted, or ended by the step before
                     outputs.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
@@ -1237,17 +1150,12 @@ class EngineCore:
 
     def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
         """One read-back token into its sequence, and the output reporting it; ends the sequence if
-        the token finishes it. logprobs, when computed: the token's, the top values, their ids."""
-        seq.token_ids.append(token)           # (its grammar followed it in _commit)
-        keep = seq.params.max_tokens > 0     # 0: only the prompt's log-probs were wanted
+        the token finishes it. logprobs: the token's row of log-probs, if the step computed any."""
+        seq.token_ids.append(token)
+        keep = seq.params.max_tokens > 0     # 0: the prompt is only scored (prompt log-probs)
         out = EngineCoreOutput(seq.request_id, token if keep else None,
                                num_cached_tokens=seq.num_cached_tokens)
-        if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
-            out.prompt_logprobs = seq.prompt_logprobs
-        k = seq.params.logprobs
-        if keep and logprobs and k is not None:
-            chosen, top_values, top_ids = logprobs
-            out.logprobs = (chosen, dict(zip(top_ids[:k], top_values[:k])))
+        add_logprobs(out, seq, logprobs)                 # chapter: log-probs and logit edits
         out.finish_reason = self._finish_reason(seq, token)
         if out.finish_reason is not None:
             self.scheduler.cache_computed_blocks(seq)    # before its blocks are freed
@@ -1258,7 +1166,7 @@ class EngineCore:
     def _finish_reason(self, seq: Sequence, token: int) -> Optional[str]:
         p = seq.params
         if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
-                or (seq.matcher is not None and seq.matcher.result().is_stopped()):  # grammar done
+                or grammar_done(seq):                          # chapter: structured output
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
@@ -1288,54 +1196,18 @@ class EngineCore:
                     prefix_cache_hit_tokens_total=s.num_cached_tokens,
                     prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
                     preemptions_total=s.num_preemptions,
-                    spec_decode_num_draft_tokens_total=s.num_draft_tokens,
-                    spec_decode_num_accepted_tokens_total=s.num_accepted_tokens)
+                    **s.speculation.stats())                  # chapter: speculative decoding
 
 # ---------------------------------------------------------------------------
 # Requests in, text out
-# The front end: everything per request that the engine core never needs: chat templates (first),
-# tokenizing, checks against the engine's limits, and token ids back to text (incremental
-# detokenization, stop strings). It runs in the caller's process (the server's, or LLM.generate's).
+# The front end holds everything per request that the engine core never needs: chat templates
+# (first), tokenizing, checks against the engine's limits, and token ids back to text
+# (incremental detokenization, stop strings). It runs in the caller's process: the server's, or
+# LLM.generate's.
 
-# -- chat templates and tool calls, up to load_tokenizer (a skim on a first read) --
+# -- chat templates --
 def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
-
-# How each model family writes a tool call, for tool_choice "auto": {"name": ..., KEY: {...}}
-# between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
-# standing for the calls' JSON schema: free text until the trigger (the opening's tag, which a
-# lazy lexeme ends at once; for Llama, "{" first), strict from there. Llama's <|python_tag|>
-# (a special token, which the decoder drops) opens its built-in tools: left out.
-TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
-    "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
-start: TEXT | head call (SEP call)* "\n"?
-TEXT: /(.|\n)*/
-head[lazy]: TEXT "<tool_call>"
-call: "\n" SCHEMA "\n</tool_call>"
-SEP: "\n<tool_call>" """),
-    "llama3": ("", "", "parameters", r"""                               # Llama 3.1 and 3.2
-start: TEXT | call (SEP call)*
-TEXT: /(\s*[^{\s](.|\n)*)?/
-call: SCHEMA
-SEP: "; " """),
-    "json": ("", "", "arguments", "start: call\ncall: SCHEMA"),    # a forced call: its JSON alone
-}
-
-def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
-    """For a template that renders neither tools nor calls: the tools in the system message,
-    and earlier calls in the assistant's text, written the way the model is asked to."""
-    opening, closing, key, _ = TOOL_CALL_FORMATS[fmt]
-    def call(name: str, arguments: str) -> str:
-        return f'{opening}{{"name": {name}, "{key}": {arguments}}}{closing}'
-    out = [{**m, "content": m["content"] + "".join(call(json.dumps(c["function"]["name"]),
-           json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls") or [])}
-           for m in messages]
-    if tools:
-        system = out.pop(0)["content"] + "\n\n" if out[0]["role"] == "system" else ""
-        out.insert(0, {"role": "system", "content": system + "You can call these functions:\n"
-                       + "\n".join(map(json.dumps, tools)) + "\nTo call one, answer "
-                       + call("<function name>", "<arguments as a JSON object>")})
-    return out
 
 class ChatTemplate:
     """The model's chat template (tokenizer_config.json), rendered as transformers does: it is code
@@ -1354,79 +1226,13 @@ class ChatTemplate:
     def render(self, messages: list, tools: Optional[list] = None, tool_format="hermes") -> str:
         if self.template is None:
             raise ValueError("this model has no chat template: use /v1/completions")
-        if "tool" not in self.source:          # it renders neither tools nor calls
+        if "tool" not in self.source:          # chapter: structured output (tools as text)
             messages, tools = _tools_as_text(messages, tools, tool_format), None
         try:
             return self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                         **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}")
-
-def prepare_schema(schema, strict: bool = False):
-    """A copy of a JSON schema for the grammar. An object that lists properties and does not say
-    additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode). An
-    integer without bounds gets JSON's exact range, so its digits end. With strict, OpenAI's two
-    rules for objects hold, or a ValueError names the one broken (llguidance names keywords)."""
-    def walk(node, path: str, names: bool = False):
-        if isinstance(node, list):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
-        if not isinstance(node, dict):
-            return node
-        if names:                             # properties, $defs: each name's schema
-            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
-        out = {k: v if k in ("const", "enum", "default", "examples") else   # values, not schemas
-               walk(v, f"{path}/{k}", k in ("properties", "$defs")) for k, v in node.items()}
-        if isinstance(out.get("properties"), dict):
-            if strict and out.get("additionalProperties") is not False:
-                raise ValueError(f"is strict: an object needs additionalProperties false ({path})")
-            if strict and set(out["properties"]) - set(out.get("required", [])):
-                raise ValueError(f"is strict: every property must be in required ({path})")
-            out.setdefault("additionalProperties", False)
-        if out.get("type") == "integer":   # its own bounds win (an exclusive one holds beside)
-            out = {"minimum": -2**53 + 1, "maximum": 2**53 - 1} | out
-        return out
-    return walk(schema, "#")
-
-def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
-    """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
-    or the one named, spaced as json.dumps (as models are trained), one unless parallel. Tool
-    i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there."""
-    key, lark = TOOL_CALL_FORMATS[fmt][2:]
-    tools = [t["function"] for t in tools if choice in ("auto", "required", t["function"]["name"])]
-    params = [json.loads(json.dumps(prepare_schema(t.get("parameters", {"type": "object"})))
-              .replace('"$ref": "#', f'"$ref": "#/anyOf/{i}/properties/{key}'))
-              for i, t in enumerate(tools)]
-    schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                             "item_separator": ", "}, "anyOf": [
-        {"type": "object", "required": ["name", key], "additionalProperties": False,
-         "properties": {"name": {"const": t["name"]}, key: p}} for t, p in zip(tools, params)]}
-    lark = lark if parallel else lark.replace(" (SEP call)*", "")
-    return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
-
-def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
-    """The content (text before the first call, less a tail that may yet open one or end in
-    whitespace, unless final) and calls ([name, arguments as JSON text so far]) of an answer so
-    far. Monotone: more text parses to this and more, so a stream sends only what is new."""
-    opening, closing, key = fmt[:3]       # a TOOL_CALL_FORMATS entry
-    trigger = opening.rstrip()
-    start = text.find(trigger) if trigger else \
-        len(text) - len(text.lstrip()) if text.lstrip()[:1] in "{" else -1   # "": not yet known
-    if start == -1:
-        held = next((k for k in range(len(trigger) - 1, 0, -1) if text.endswith(trigger[:k])), 0)
-        return (text if final else text[:len(text) - held].rstrip()), []
-    head = re.compile(rf'\s*(?:{re.escape(trigger) or ";"})?\s*\{{\s*"name"\s*:\s*'
-                      rf'("(?:[^"\\]|\\.)*")\s*,\s*"{key}"\s*:\s*')
-    calls, pos = [], start
-    while m := head.match(text, pos):
-        try:                          # the arguments end where their JSON value does
-            end = m.end() + json.JSONDecoder().raw_decode(text[m.end():])[1]
-        except ValueError:            # still being written, or cut short
-            return text[:start].rstrip(), calls + [[json.loads(m[1]), text[m.end():]]]
-        calls.append([json.loads(m[1]), text[m.end():end]])
-        if not (after := re.compile(r"\s*\}\s*" + re.escape(closing)).match(text, end)):
-            break
-        pos = after.end()
-    return text[:start].rstrip(), calls
 
 def load_tokenizer(model_dir: str):
     """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
@@ -1461,7 +1267,8 @@ class RequestState:
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
-        self.last_token_time, self.num_timed_tokens = None, 0   # the server's latency clock
+        # chapter: the rest of the OpenAI API (the server's latency clock, for /metrics)
+        self.last_token_time, self.num_timed_tokens = None, 0
         self.queue: Optional[asyncio.Queue] = None   # the server's: _deliver puts each change
 
     def take_delta(self) -> Delta:
@@ -1476,7 +1283,7 @@ class RequestState:
         return delta
 
 def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
-    """SamplingParams' own checks (a ValueError naming the field first); logit_bias keys to ints."""
+    """SamplingParams' own checks: a ValueError, naming the field first."""
     least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt only
     if not isinstance(p.max_tokens, int) or p.max_tokens < least:
         raise ValueError(f"max_tokens must be an integer >= {least}, got {p.max_tokens!r}")
@@ -1486,18 +1293,7 @@ def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
         raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
     if p.top_k == 0 or p.top_k < -1:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {p.top_k}")
-    for name, lo, hi in [("logprobs", 0, 20), ("prompt_logprobs", 0, 20),
-                         ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)]:
-        if getattr(p, name) is not None and not lo <= getattr(p, name) <= hi:
-            raise ValueError(f"{name} must be in [{lo}, {hi}], got {getattr(p, name)}")
-    if not 0 < p.repetition_penalty < math.inf:
-        raise ValueError(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-    try:        # JSON object keys are strings: {"1234": -100}
-        p.logit_bias = {int(t): float(b) for t, b in (p.logit_bias or {}).items()}
-    except (AttributeError, TypeError, ValueError, OverflowError):
-        p.logit_bias = {-1: 0.0}                        # refused just below
-    if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in p.logit_bias.items()):
-        raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
+    check_logit_params(p, vocab_size)                  # chapter: log-probs and logit edits
 
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
@@ -1505,30 +1301,10 @@ class FrontEnd:
         self.cfg, self.num_blocks = cfg, num_blocks
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate(tokenizer_config)
-        # "auto" calls: the flag's format, else Llama's if the template writes <|python_tag|> or
-        # "parameters" and no <tool_call>, else Hermes's (also what _tools_as_text asks for)
-        src, flag = self.chat_template.source, cfg.tool_call_parser
-        llama = "<tool_call>" not in src and ("<|python_tag|>" in src or '"parameters"' in src)
-        self.tool_call_format = flag if flag != "auto" else "llama3" if llama else "hermes"
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
-        self.grammar = functools.lru_cache(maxsize=256)(self._compile_grammar)
-
-    def _compile_grammar(self, source: str, lark: bool = False) -> str:
-        """llguidance's grammar for a JSON schema (as JSON, through prepare_schema; compact output)
-        or Lark text, checked: a ValueError says why not. Cached as `grammar`: one per source."""
-        if self.tokenizer is None:
-            raise ValueError(f"structured output needs {self.cfg.model}/tokenizer.json")
-        num_tokens = self.tokenizer.get_vocab_size()     # llguidance's matcher refuses more
-        if num_tokens > self.cfg.vocab_size:
-            raise ValueError(f"structured output needs the tokenizer's {num_tokens} tokens within "
-                             f"the model's vocab_size ({self.cfg.vocab_size})")
-        grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
-            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare_schema(
-                json.loads(source))), overrides={"whitespace_flexible": False})
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise ValueError(f"the schema cannot be compiled: {error}")
-        return grammar
+        # chapter: structured output (how the model writes a call; a JSON schema's grammar)
+        self.tool_call_format = tool_call_format(cfg, self.chat_template.source)
+        self.grammar = functools.lru_cache(maxsize=256)(functools.partial(compile_grammar, self))
 
     # -- requests in --
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
@@ -1679,16 +1455,17 @@ class LLM:
         return self.engine.stats()
 
     def close(self):
-        """Stop the tensor-parallel workers and leave their group, so another engine can start here
-        (not on GPUs: pa._close_workers). Done too when the LLM is collected, and at exit."""
-        pa.stop_workers(self.engine.runner.workers)
+        """Free what the engine holds outside this process: nothing, unless a chapter's workers
+        run (tensor parallelism)."""
+        stop_workers(self.engine.runner.workers)            # chapter: tensor parallelism
 
 # ---------------------------------------------------------------------------
 # Engine core process
-# Behind the server the engine core runs in its own process's main thread, so no per-request Python
-# work (JSON, SSE, detokenizing) competes with its step loop for the GIL. Pipes in: lists of
-# EngineCoreRequest and EngineCoreAbort; out: its stats once ready (or why it failed), then an
-# EngineCoreOutputs per turn of its loop. Closing the inbox stops it.
+# Behind the server, the engine core runs in the main thread of a process of its own. So no
+# per-request Python work (JSON, SSE, detokenizing) competes with its step loop for the GIL. Two
+# pipes join the processes. Into the engine core go lists of EngineCoreRequest and EngineCoreAbort.
+# Out of it come its stats once it is ready (or why it failed), then one EngineCoreOutputs per
+# turn of its loop. Closing the inbox stops it.
 
 @dataclass
 class EngineCoreAbort:
@@ -1698,11 +1475,11 @@ class EngineCoreAbort:
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """In the engine core process's main thread: owns the scheduler, BlockAllocator, ModelRunner and
     device; steps while work is queued. `setup(core)` runs first if given (tests inject faults)."""
-    pa.follow_parent()             # the server handles Ctrl-C and SIGTERM. Its EOF or death ends us
+    follow_parent()                # chapter: signals (Ctrl-C is the server's; its death ends us)
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
-        pa.exit_on_worker_death(core.runner.workers)   # as at our own: the server fails requests
+        exit_on_worker_death(core.runner.workers)       # chapter: tensor parallelism
         if setup is not None:
             setup(core)
     except Exception as e:
@@ -1736,22 +1513,8 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
                 outputs += core.fail_running(e)
-                pa.exit_on_failed_step(core.runner.workers)   # tensor parallelism: out of step
+                exit_on_failed_step(core.runner.workers)      # chapter: tensor parallelism
         sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
-
-# -- tensor parallelism: the engine core is rank 0, pa.start_workers runs ranks 1..N-1 --
-# With --tensor-parallel-size N the model is cut over N GPUs (gloo processes on the CPU), in
-# Megatron-LM's way. Column-parallel matmuls (q, k, v; gate, up) keep a rank's n_heads/N query
-# heads, n_kv/N KV heads and I/N channels, so attention and SiLU-and-mul need no other rank.
-# Row-parallel ones (o, down) leave a partial (N_tok, D) sum on each rank, which an all-reduce adds
-# up, twice a layer, in pa.linear (all_reduce=True); rank 0's part alone brings the residual, so the
-# sum counts it once. The embedding, norms and LM head stay whole, so every rank holds the same
-# residual stream; its KV pool holds its n_kv/N heads, in the same blocks (pa.shard cuts weights).
-# Rank 0 alone schedules, computes logits and samples: the last all-reduce gives every rank the
-# same hidden states, and sampling reads host state (generators, grammars, tokens) only rank 0
-# keeps. Each step it pipes every worker put_step's arguments (a few host lists); the input ids
-# follow by a device broadcast, since a pending token (Sequence) is on rank 0's GPU only. Start-up
-# (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every rank.
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 class EngineCoreClient:
@@ -1764,7 +1527,7 @@ class EngineCoreClient:
         self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
         self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
                                    args=(cfg, inbox_end, outbox_end, setup), daemon=True)
-        with pa.sigint_held():                 # born deaf to Ctrl-C, which the server handles
+        with sigint_held():                    # chapter: signals (Ctrl-C is the server's)
             self.process.start()
         inbox_end.close()                      # the child's ends, closed here: a dead child
         outbox_end.close()                     # then reads as EOF
@@ -1779,15 +1542,7 @@ class EngineCoreClient:
         self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
         self.outgoing = queue.SimpleQueue()   # to _send_all: lists of requests or aborts, or None
         threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True).start()
-        # /metrics: latency histograms observed here; the engine core's counters (collect)
-        self.metrics = prometheus_client.CollectorRegistry()
-        self.metrics.register(self)
-        self.ttft = prometheus_client.Histogram(
-            "nanoserve_time_to_first_token_seconds", "time from arrival to first token",
-            buckets=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30], registry=self.metrics)
-        self.itl = prometheus_client.Histogram(
-            "nanoserve_inter_token_latency_seconds", "gap between tokens, 0 within a chunk",
-            buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10], registry=self.metrics)
+        self.metrics = ServerMetrics(self)        # chapter: the rest of the OpenAI API (/metrics)
 
     def shutdown(self):
         self.outgoing.put(None)                # after the sends queued before: EOF over there
@@ -1857,26 +1612,8 @@ class EngineCoreClient:
         self._abort(stopped)
         now = time.perf_counter()                          # one clock reading for the whole batch
         for state in states:
-            self._observe(state, now)
+            self.metrics.observe(state, now)      # chapter: the rest of the OpenAI API (/metrics)
             state.queue.put_nowait(state)
-
-    def _observe(self, state: RequestState, now: float):
-        """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
-        num_new = len(state.token_ids) - state.num_timed_tokens
-        if num_new:
-            if state.last_token_time is None:
-                self.ttft.observe(now - state.arrival_time)
-            else:
-                self.itl.observe(now - state.last_token_time)
-            for _ in range(num_new - 1):
-                self.itl.observe(0.0)
-            state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
-
-    def collect(self):
-        """/metrics at a scrape: the engine core's gauges and counters, from its latest stats."""
-        for name, value in self.stats.items():     # prometheus_client adds "_total" back
-            family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
-            yield family(f"nanoserve_{name.removesuffix('_total')}", name, value=value)
 
     def _engine_died(self):
         """Every request in flight ends with an error; /health turns 503."""
@@ -1893,13 +1630,13 @@ class EngineCoreClient:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. A
-# request's path: its handler (OpenAIServer.completions or .chat) checks the body's fields
-# (parse_fields, first below) and tokenizes in a thread; _respond hands EngineCoreClient.generate's
-# states to the endpoint's _Shape, whose chunks go out as SSE events (_EventStream runs
-# _Shape.stream, and turns a client that leaves into an abort) or fold into one body (_Shape.body).
+# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. It
+# reads in the order a request takes. The request's handler (OpenAIServer.completions or .chat)
+# reads the body's fields and tokenizes in a thread. _respond hands EngineCoreClient.generate's
+# states to the endpoint's response shape (_Shape). The shape's chunks go out as SSE events
+# (_EventStream runs _Shape.stream, and turns a client that leaves into an abort), or fold into
+# one body (_Shape.body).
 
-# -- request parsing (a skim on a first read): a table of each endpoint's fields (parse_fields) --
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
@@ -1907,6 +1644,1129 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+class OpenAIServer:
+    """The routes over one EngineCoreClient; its handlers run on the server's event loop."""
+    def __init__(self, client: EngineCoreClient, cfg: Config):
+        self.client, self.front, self.cfg = client, client.front, cfg
+        self.model_name = Path(cfg.model).name             # what clients pass as 'model'
+
+    def routes(self) -> list:
+        # chapter: the rest of the OpenAI API (keyed: the API key; /v1/models, /metrics)
+        return [Route("/health", self.health),
+                Route("/v1/completions", keyed(self, self.completions), methods=["POST"]),
+                Route("/v1/chat/completions", keyed(self, self.chat), methods=["POST"]),
+                *api_routes(self)]
+
+    async def health(self, request: Request) -> Response:
+        return PlainTextResponse(self.client.error or "ok", 503 if self.client.error else 200)
+
+    # -- a request's way: its handler, then _respond --
+    async def completions(self, request: Request) -> Response:
+        # chapter: the rest of the OpenAI API (the JSON body; each field checked by its table)
+        f = parse_fields(await read_body(self, request), COMPLETION_FIELDS)
+        prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
+        # max_tokens 0 (echo: prompt log-probs only) still samples a token; the engine core drops it
+        grammar = await request_grammar(self, f.get("response_format"))  # chapter: structured output
+        params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
+                                       num_top if echo else None, grammar)
+        prompt_ids = [await self._encode(p) for p in prompts]
+        shape = _CompletionShape(self, prompts, prompt_ids, num_top, echo, len(params))
+        return await self._respond(request, f, shape, prompt_ids, params)
+
+    async def chat(self, request: Request) -> Response:
+        # chapter: the rest of the OpenAI API (the JSON body; each field checked by its table)
+        f = parse_fields(await read_body(self, request), CHAT_FIELDS)
+        try:
+            text = self.front.chat_template.render(f["messages"], f.get("tools"),
+                                                   self.front.tool_call_format)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages")
+        # the template has written the special tokens: encode must not add its own
+        prompt_ids = await self._encode(text, add_special_tokens=False)
+        room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
+        num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
+        # chapter: structured output (the grammar of tool calls or response_format, if asked)
+        grammar, fmt = await chat_grammar(self, f)
+        params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
+                                       num_top, grammar=grammar)
+        shape = _ChatShape(self, len(prompt_ids), num_top) if fmt is None else \
+            tool_call_shape(self, f, fmt, len(prompt_ids), num_top)   # chapter: structured output
+        return await self._respond(request, f, shape, [prompt_ids], params)
+
+    async def _encode(self, prompt, add_special_tokens: bool = True) -> list:
+        """Token ids of a prompt; text is tokenized in a thread, off the event loop."""
+        try:
+            if isinstance(prompt, str):
+                return await asyncio.to_thread(self.front.encode, prompt, add_special_tokens)
+            return self.front.encode(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt")
+
+    async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
+                       params: list) -> Response:
+        try:
+            for ids in prompt_ids:            # (also the params' checks: the choices differ only
+                self.front.validate(ids, params[0])   # by seed, which any int is)
+        except ValueError as e:
+            name = str(e).split()[0]  # validate's messages start with their field, if any
+            raise APIError(400, str(e), param=name if name in f else None)
+        if self.client.error:
+            raise APIError(503, self.client.error, "internal_error")
+        choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
+        # Lazy: the engine core sees nothing until the stream or body reads the first state. A
+        # stream reads it in this handler's turn of the event loop (_EventStream runs no task of
+        # its own for it); a chat body one turn later (is_disconnected, for the opening chunk)
+        chunks = shape.chunks(self.client.generate(choices), len(choices))
+        if f.get("stream"):
+            include_usage = f.get("stream_options", {}).get("include_usage") is True
+            return _EventStream(functools.partial(shape.stream, chunks, include_usage))
+        body = await shape.body(chunks, request)
+        return Response(status_code=499) if body is None else JSONResponse(body)
+
+def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
+                          prompt_logprobs: Optional[int] = None, grammar=None) -> list:
+    """One SamplingParams per choice. Choice i seeds seed + i: n different, reproducible choices."""
+    shared = {k: v for k, v in f.items() if k in _SAMPLING_FIELDS}
+    seed = f.get("seed")
+    return [SamplingParams(**shared, max_tokens=max_tokens, stop=f["stop"], logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs, grammar=grammar,
+                           seed=None if seed is None else (seed + i) % 2**64)
+            for i in range(f.get("n", 1))]
+
+# -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
+_to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
+
+class _Shape:
+    """A response, any endpoint: ids, envelopes, chunks, log-probs (clamped: JSON has no -inf)."""
+    id_prefix, object, chunk_object = "", "", ""
+    hold = False                      # chapter: structured output (True: all at the end)
+
+    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs: Optional[int]):
+        self.server, self.num_top_logprobs = server, num_top_logprobs
+        self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
+        self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
+
+    def opening(self, i: int) -> list:
+        """The chunks a stream opens choice i with."""
+        return []
+
+    def has_news(self, d: Delta) -> bool:
+        """Whether d is worth a chunk (a token whose text is held back still has log-probs)."""
+        return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
+
+    def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
+        body = {"id": self.id, "object": object, "created": self.created,
+                "model": self.server.model_name, "choices": choices}
+        n, m = self.num_prompt_tokens, self.num_completion_tokens
+        return {**body, "usage": {"prompt_tokens": n, "completion_tokens": m,
+                                  "total_tokens": n + m}} if usage else body
+
+    async def chunks(self, states, n: int):
+        """The choices to send: the openings, one per Delta with news, then `last`'s (the end)."""
+        async with contextlib.aclosing(states):
+            for choice in [c for i in range(n) for c in self.opening(i)]:
+                yield choice
+            async for state in states:
+                if self.hold and state.finish_reason is None:   # all of it, at the end
+                    continue
+                d = state.take_delta()
+                if d.finish_reason == "error":
+                    raise APIError(500, state.error, "internal_error")
+                self.num_completion_tokens += len(d.token_ids)
+                if self.has_news(d):
+                    choice = self.choice(d)
+                    if choice.get("delta") != {} or choice["logprobs"]:   # else nothing to say
+                        yield choice | {"finish_reason": None}   # that is the last chunk's to say
+                if d.finish_reason is not None:   # (an echo not sent yet goes with it)
+                    yield self.last(state, d)
+
+    def last(self, state: RequestState, d: Delta) -> dict:
+        """The chunk that carries the finish_reason."""
+        return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
+
+    async def stream(self, chunks, include_usage: bool, write):
+        """OpenAI's stream: each event's data (a chunk's JSON, then `[DONE]`) goes to `write`.
+        An error after the first byte is an event too: the status line is gone."""
+        head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
+        async with contextlib.aclosing(chunks):
+            try:
+                async for choice in chunks:
+                    await write(f"{head}{_to_json(choice)}]}}")
+                if include_usage:
+                    await write(_to_json(self.envelope(self.chunk_object, [], usage=True)))
+            except Exception as e:            # an APIError as it is; a bug logged, in one line
+                if not isinstance(e, APIError):
+                    traceback.print_exc()
+                    e = APIError(500, f"internal error: {e!r}", "internal_error")
+                await write(_to_json(e.body))
+        await write("[DONE]")
+
+    async def body(self, chunks, request: Request) -> Optional[dict]:
+        """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
+        the whole "message". None if the client hangs up first: uvicorn does not cancel a handler
+        whose client left, so each chunk asks, and closing `chunks` aborts the request."""
+        choices = {}                                       # index -> the whole choice so far
+        async with contextlib.aclosing(chunks):
+            async for choice in chunks:
+                if await request.is_disconnected():
+                    return None
+                _fold(choices.setdefault(choice["index"], {}), choice)
+        for c in choices.values():
+            if "delta" in c:
+                c["message"] = c.pop("delta")
+        return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
+
+class _CompletionShape(_Shape):
+    """The legacy completions shape: `echo` puts each prompt before its choices' text and, with
+    `logprobs`, its tokens' log-probs before theirs (null for the first, which nothing predicts)."""
+    id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+
+    def __init__(self, server, prompts: list, prompt_ids: list, num_top_logprobs, echo, n: int):
+        super().__init__(server, sum(map(len, prompt_ids)), num_top_logprobs)
+        self.echoes = [(p if isinstance(p, str) else server.front.decode(ids), ids) if echo
+                       else None for p, ids in zip(prompts, prompt_ids)]  # (text, ids) or None
+        self.n, self.offsets = n, {}          # choice -> text_offset of its next token
+
+    def choice(self, d: Delta) -> dict:
+        echo = self.echoes[d.index // self.n] if d.index not in self.offsets else None
+        self.offsets.setdefault(d.index, 0)
+        logprobs = completion_logprobs(self, d, echo)      # chapter: the rest of the OpenAI API
+        return {"index": d.index, "text": echo[0] + d.text if echo else d.text,
+                "logprobs": logprobs, "finish_reason": d.finish_reason}
+
+class _ChatShape(_Shape):
+    """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
+    empty one with the finish_reason."""
+    id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def opening(self, i: int) -> list:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]
+
+    def choice(self, d: Delta) -> dict:
+        return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
+                "logprobs": chat_logprobs(self, d),       # chapter: the rest of the OpenAI API
+                "finish_reason": d.finish_reason}
+
+@dataclass
+class _EventStream:
+    """A stream's ASGI response: `stream(write)` writes each event as it comes, one `send` each.
+    A task of its own listens for the client leaving, then cancels the writing: `stream` closing
+    its chunks runs their `finally` (the abort) now, not when the garbage collector gets to it."""
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
+    stream: functools.partial         # _Shape.stream, given its chunks: awaits write(data)
+
+    async def __call__(self, scope, receive, send):
+        async def write(data: str):       # server-sent events' framing
+            body = f"data: {data}\n\n".encode()
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        async def listen():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            writer.cancel()
+        writer, listener = asyncio.current_task(), asyncio.create_task(listen())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await self.stream(write)
+            await send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:
+            if listener.cancelled() or not listener.done():   # not the client: the server stops
+                raise
+            writer.uncancel()
+        finally:
+            listener.cancel()
+
+def _fold(whole: dict, chunk: dict):
+    """Per key: strings and lists concatenate, objects fold alike, tool-call deltas join their
+    call (by index); any other value replaces the old one, except that null never does."""
+    for key, value in chunk.items():
+        old = whole.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            _fold(old, value)
+        elif key == "tool_calls":
+            calls = whole.setdefault(key, [])
+            for item in value:
+                if item["index"] == len(calls):       # a new call (they come in order)
+                    calls.append({})
+                _fold(calls[item["index"]], item)
+        elif isinstance(value, (str, list)) and old is not None:
+            whole[key] = old + value
+        elif value is not None or key not in whole:
+            whole[key] = value
+
+# -- the app --
+def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
+    """The app over a running engine core. With cfg.api_key set, /v1/* needs it."""
+    server = OpenAIServer(client, cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=client.receive, args=(asyncio.get_running_loop(),),
+                         name="engine-core-outputs", daemon=True).start()
+        yield
+
+    # chapter: the rest of the OpenAI API (error_response: every error in OpenAI's shape)
+    return Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={
+        kind: error_response for kind in (APIError, HTTPException, Exception)})
+
+def serve(cfg: Config):
+    sock = socket.create_server((cfg.host, cfg.port))   # first: a port in use fails at once
+    client = EngineCoreClient(cfg)
+    print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
+          + (" (API key required)" if cfg.api_key else ""), flush=True)
+    try:   # SIGTERM drains (README), then uvicorn re-raises it: the engine core exits on EOF
+        server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
+        server.run(sockets=[sock])
+    finally:
+        client.shutdown()
+
+# ---------------------------------------------------------------------------
+# CLI
+# `generate` streams one completion to the terminal; `serve` starts the HTTP server. Flags are
+# generated from the Config and SamplingParams fields, so a new setting needs no parser code.
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
+    for f in dataclasses.fields(cls):
+        if not f.init or "help" not in f.metadata or f.name in skip:
+            continue
+        name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        if f.type == "bool":            # a flag that is on by default turns it off
+            action = "store_false" if f.default else "store_true"
+            parser.add_argument(name, dest=f.name, action=action,
+                                help=("do not " if f.default else "") + f.metadata["help"])
+        elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
+            parser.add_argument(name, dest=f.name, action="append", help=f.metadata["help"])
+        else:                            # int, float or str, Optional or not
+            kind = float if "float" in f.type else int if "int" in f.type else str
+            parser.add_argument(name, dest=f.name, type=kind, default=f.default,
+                                help=f.metadata["help"])
+
+def from_flags(cls, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.init and hasattr(args, f.name)})
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve.py", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="stream one completion to the terminal")
+    gen.add_argument("prompt", help="the prompt text")
+    add_dataclass_flags(gen, Config, skip=("host", "port", "api_key", "max_request_bytes"))
+    add_dataclass_flags(gen, SamplingParams)
+    gen.set_defaults(max_tokens=128)                      # a terminal wants more than the API's 16
+    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_dataclass_flags(srv, Config)
+    return parser
+
+def run_generate(cfg: Config, prompt: str, params: SamplingParams):
+    llm = LLM(cfg)
+    state = llm.add(llm.front.encode(prompt), params, incremental=True)
+    for _ in llm.run():
+        print(state.take_delta().text, end="", flush=True)
+    print()
+
+def ensure_default_model(model: str):
+    """The default model is made on first use (download.py converts it)."""
+    if model == DEFAULT_MODEL and not Path(model, "config.json").is_file():
+        import download
+        download.download()
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        ensure_default_model(args.model)
+        cfg = from_flags(Config, args)
+        if args.command == "generate":
+            run_generate(cfg, args.prompt, from_flags(SamplingParams, args))
+        else:
+            serve(cfg)
+    except (ValueError, OSError) as e:        # bad input: one line, no traceback
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+# ---------------------------------------------------------------------------
+# Chapter: speculative decoding
+# A decode step reads every weight for one token per row. At a small batch it can check several
+# tokens for about the same cost. With num_speculative_tokens = k, a decoding row guesses up to k
+# next tokens, its drafts, and one step checks them all. Four parts:
+# - draft: what followed the last few tokens where they occurred before (prompt lookup,
+#   NgramIndex);
+# - verify: the row's newest token and its drafts run as one causal chunk, and every row of the
+#   chunk samples (ModelRunner._flatten);
+# - accept: the drafts up to the first that differs from the token sampled at its place are
+#   kept, and that sampled token too (num_accepted);
+# - rewind: num_computed_tokens moves back past the rejected drafts. Their K/V is overwritten
+#   later, and blocks held only for them go back to the pool. No prefix hash covers them, since
+#   only read-back tokens are hashed.
+# One step, k = 3, token_ids ending "... sat on the", num_computed_tokens L - 1 (L tokens). "on
+# the" came before, followed by "mat . The": those are the drafts. The chunk [the, mat, ., The]
+# runs at positions L-1..L+2 and samples [mat, ., It, cat]. Two drafts agree, so "mat . It" is
+# appended: 3 tokens for one step. num_computed_tokens went to L + 3 at launch, and back by the
+# rejected draft to L + 2, which is len(token_ids) - 1, as always.
+# The pending count (part one's table at EngineCore.step) changes with drafts. A row with d
+# drafts samples d + 1 rows, so it holds 1 + d pending tokens between its launch and its commit.
+# Sampling is exact too. A draft is kept iff the row's draw x from p equals it, which happens
+# with probability p(draft). A rejected row emits x, a draw from p without the draft,
+# renormalized. That is the standard rule for a deterministic draft: the output is distributed
+# as plain sampling.
+# Rows with a grammar or a penalty do not draft: their masks or counts would need the drafts
+# before them. No row drafts while more than SPECULATE_MAX_ROWS run, where a verify step costs
+# well over a decode (README). A step that may draft first reads the step before back, since a
+# draft follows the newest token, which must be on the host. That step loses the one-ahead
+# overlap.
+# Seams: Config._check (k <= 15: a verify chunk fits the 16-token graph), Sequence
+# (draft_token_ids, ngrams), Scheduler.__init__ and schedule (draft), ModelRunner._flatten (the
+# drafts follow a row's newest token, and each row samples), EngineCore.step (reads_back_first),
+# EngineCore._commit (accept), EngineCore.stats.
+
+class NgramIndex:
+    """A sequence's drafts (this chapter's opening tells the mechanism).
+    propose(token_ids, k): the up to k tokens that followed the latest earlier occurrence of
+    the last n tokens, n from NGRAM_MAX down to NGRAM_MIN. With k = 3, in [5, 7, 9, 2, 5, 7]
+    the last 3 tokens occurred nowhere before; the last 2 (5, 7) end at position 2, so the
+    draft is [9, 2, 5]. Each position is entered once, when the token after it arrives: a
+    step costs a few dict operations, not a scan of the context."""
+    NGRAM_MIN, NGRAM_MAX = 2, 3   # n-gram lengths matched, the longest tried first
+
+    def __init__(self):
+        self.ends = {}          # n-gram (a tuple) -> the position just past its latest occurrence
+        self.num_indexed = 1    # positions below this are entered
+
+    def propose(self, token_ids, k):
+        for end in range(self.num_indexed, len(token_ids)):   # each has a token after it
+            for n in range(self.NGRAM_MIN, min(self.NGRAM_MAX, end) + 1):
+                self.ends[tuple(token_ids[end - n:end])] = end
+        self.num_indexed = len(token_ids)
+        for n in range(min(self.NGRAM_MAX, len(token_ids)), self.NGRAM_MIN - 1, -1):
+            end = self.ends.get(tuple(token_ids[-n:]))
+            if end is not None:
+                return token_ids[end:end + k]
+        return []
+
+def num_accepted(draft_token_ids: list, sampled: list) -> int:
+    """How many drafts a row keeps: those before the first that differs from the token sampled at
+    its place (sampled[j] is the token drawn where draft j stands)."""
+    return next((j for j, (d, x) in enumerate(zip(draft_token_ids, sampled)) if d != x),
+                len(draft_token_ids))
+
+class Speculation:
+    """The scheduler's drafts and the engine core's accept and rewind, with their counters. One
+    per Scheduler (its seam); it reads the scheduler's running rows and pool."""
+    SPECULATE_MAX_ROWS = 16   # drafts only while at most 16 rows run
+
+    def __init__(self, cfg: Config, scheduler: Scheduler):
+        self.cfg, self.scheduler = cfg, scheduler
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens
+                          and len(self.scheduler.running) <= self.SPECULATE_MAX_ROWS)
+
+    def draft(self, seq: Sequence, budget: int) -> list:
+        """seq's drafts this step; accepting all of them stays within the length limits."""
+        if not self.speculates or seq.matcher is not None or seq.params.needs_output_history \
+                or seq.num_computed_tokens != seq.num_tokens - 1:   # pending, or a prefill
+            return []
+        k = min(self.cfg.num_speculative_tokens, budget - 1, self.cfg.max_model_len - seq.num_tokens
+                - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return seq.ngrams.propose(seq.token_ids, k) if k > 0 else []
+
+    def reads_back_first(self, prev: LaunchedStep) -> bool:
+        """Whether EngineCore.step reads prev back before it launches the next step: after a step
+        that drafted (the tokens it keeps decide the next input), and where the next step may
+        draft. A row may, where its tokens so far end in an n-gram seen before. Copied text keeps
+        matching and other text seldom starts to, so elsewhere the one-ahead overlap is kept."""
+        if not self.cfg.num_speculative_tokens:
+            return False
+        return any(seq.draft_token_ids for seq in prev.batch.seqs) or self.speculates and any(
+            seq.matcher is None and seq.ngrams.propose(seq.token_ids, 1)
+            for seq in self.scheduler.running)
+
+    def accept(self, seq: Sequence, row: tuple, rows) -> tuple:
+        """The rows EngineCore._commit appends for seq, whose first sampled row is `row`: that row
+        alone without drafts. With d drafts, the next d of `rows` are seq's too. The kept ones
+        are returned, and the rest rewound (the chapter's opening)."""
+        drafts = seq.draft_token_ids
+        if not drafts:
+            return (row,)
+        seq.draft_token_ids = []
+        sampled = (row, *(next(rows)[1] for _ in drafts))  # (token, *log-probs) each
+        seq.num_pending_tokens -= len(drafts)              # read too: no longer pending
+        num_kept = num_accepted(drafts, [token for token, *_ in sampled])
+        if not seq.is_finished:                   # (an aborted one has no blocks left)
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += num_kept
+            seq.num_computed_tokens -= len(drafts) - num_kept
+            num_blocks = -(-seq.num_computed_tokens // self.cfg.block_size)   # ceil
+            for block in reversed(seq.block_table[num_blocks:]):
+                self.scheduler.allocator.free(block)
+            del seq.block_table[num_blocks:]
+        return sampled[:num_kept + 1]
+
+    def stats(self) -> dict:
+        return dict(spec_decode_num_draft_tokens_total=self.num_draft_tokens,
+                    spec_decode_num_accepted_tokens_total=self.num_accepted_tokens)
+
+# ---------------------------------------------------------------------------
+# Chapter: structured output (grammars and tool calls)
+# A request may ask that its output match a JSON schema (response_format) or call a tool (tools
+# with tool_choice). Either becomes an llguidance grammar, compiled once per source in the front
+# end. In the engine core each such request gets its own matcher, which knows what the grammar
+# allows next. Each step the host fills one bitmask row per constrained row (GrammarMasks, on a
+# thread of its own while the next step is prepared), and the sampler sets what the mask forbids
+# to -inf (pa.apply_token_mask). So a step with grammar rows samples later than part one's:
+# ModelRunner.sample only starts the fill, and finish_sample samples once the masks are there.
+# After the step is read back, each matcher follows its row's token.
+# Tool calls: each model family writes a call its own way (TOOL_CALL_FORMATS). The server turns
+# tools and tool_choice into a grammar of the whole answer, and parses the text back into call
+# deltas as it grows (split_tool_calls, _ToolCallShape).
+# Seams: Sequence.matcher, SamplingParams.grammar, the sampler (mask_logits), ModelRunner's
+# GrammarMasks, sample and finish_sample, _put_input_ids (finish_sample of the step before),
+# EngineCore.add_request (start_matcher), _commit (consume), _finish_reason (grammar_done),
+# ChatTemplate.render (tools as text), FrontEnd (tool_call_format, grammar), _Shape.hold, and the
+# handlers (request_grammar, chat_grammar, tool_call_shape).
+
+# How each model family writes a tool call, for tool_choice "auto": {"name": ..., KEY: {...}}
+# between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
+# standing for the calls' JSON schema: free text until the trigger (the opening's tag, which a
+# lazy lexeme ends at once; for Llama, "{" first), strict from there. Llama's <|python_tag|>
+# (a special token, which the decoder drops) opens its built-in tools: left out.
+TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
+    "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
+start: TEXT | head call (SEP call)* "\n"?
+TEXT: /(.|\n)*/
+head[lazy]: TEXT "<tool_call>"
+call: "\n" SCHEMA "\n</tool_call>"
+SEP: "\n<tool_call>" """),
+    "llama3": ("", "", "parameters", r"""                               # Llama 3.1 and 3.2
+start: TEXT | call (SEP call)*
+TEXT: /(\s*[^{\s](.|\n)*)?/
+call: SCHEMA
+SEP: "; " """),
+    "json": ("", "", "arguments", "start: call\ncall: SCHEMA"),    # a forced call: its JSON alone
+}
+
+def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
+    """For a template that renders neither tools nor calls: the tools in the system message,
+    and earlier calls in the assistant's text, written the way the model is asked to."""
+    opening, closing, key, _ = TOOL_CALL_FORMATS[fmt]
+    def call(name: str, arguments: str) -> str:
+        return f'{opening}{{"name": {name}, "{key}": {arguments}}}{closing}'
+    out = [{**m, "content": m["content"] + "".join(call(json.dumps(c["function"]["name"]),
+           json.dumps(c["function"]["arguments"])) for c in m.get("tool_calls") or [])}
+           for m in messages]
+    if tools:
+        system = out.pop(0)["content"] + "\n\n" if out[0]["role"] == "system" else ""
+        out.insert(0, {"role": "system", "content": system + "You can call these functions:\n"
+                       + "\n".join(map(json.dumps, tools)) + "\nTo call one, answer "
+                       + call("<function name>", "<arguments as a JSON object>")})
+    return out
+
+def tool_call_format(cfg: Config, template: str) -> str:
+    """How the model writes a call for tool_choice "auto": the flag's format, else Llama's if the
+    chat template writes <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (also
+    what _tools_as_text asks for)."""
+    llama = "<tool_call>" not in template and ("<|python_tag|>" in template
+                                               or '"parameters"' in template)
+    flag = cfg.tool_call_parser
+    return flag if flag != "auto" else "llama3" if llama else "hermes"
+
+def prepare_schema(schema, strict: bool = False):
+    """A copy of a JSON schema for the grammar. An object that lists properties and does not say
+    additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode). An
+    integer without bounds gets JSON's exact range, so its digits end. With strict, OpenAI's two
+    rules for objects hold, or a ValueError names the one broken (llguidance names keywords)."""
+    def walk(node, path: str, names: bool = False):
+        if isinstance(node, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        if names:                             # properties, $defs: each name's schema
+            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
+        out = {k: v if k in ("const", "enum", "default", "examples") else   # values, not schemas
+               walk(v, f"{path}/{k}", k in ("properties", "$defs")) for k, v in node.items()}
+        if isinstance(out.get("properties"), dict):
+            if strict and out.get("additionalProperties") is not False:
+                raise ValueError(f"is strict: an object needs additionalProperties false ({path})")
+            if strict and set(out["properties"]) - set(out.get("required", [])):
+                raise ValueError(f"is strict: every property must be in required ({path})")
+            out.setdefault("additionalProperties", False)
+        if out.get("type") == "integer":   # its own bounds win (an exclusive one holds beside)
+            out = {"minimum": -2**53 + 1, "maximum": 2**53 - 1} | out
+        return out
+    return walk(schema, "#")
+
+def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
+    """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
+    or the one named, spaced as json.dumps (as models are trained), one unless parallel. Tool
+    i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there."""
+    key, lark = TOOL_CALL_FORMATS[fmt][2:]
+    tools = [t["function"] for t in tools if choice in ("auto", "required", t["function"]["name"])]
+    params = [json.loads(json.dumps(prepare_schema(t.get("parameters", {"type": "object"})))
+              .replace('"$ref": "#', f'"$ref": "#/anyOf/{i}/properties/{key}'))
+              for i, t in enumerate(tools)]
+    schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
+                             "item_separator": ", "}, "anyOf": [
+        {"type": "object", "required": ["name", key], "additionalProperties": False,
+         "properties": {"name": {"const": t["name"]}, key: p}} for t, p in zip(tools, params)]}
+    lark = lark if parallel else lark.replace(" (SEP call)*", "")
+    return "%llguidance {}\n" + lark.replace("SCHEMA", "%json " + json.dumps(schema))
+
+def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
+    """The content (text before the first call, less a tail that may yet open one or end in
+    whitespace, unless final) and calls ([name, arguments as JSON text so far]) of an answer so
+    far. Monotone: more text parses to this and more, so a stream sends only what is new."""
+    opening, closing, key = fmt[:3]       # a TOOL_CALL_FORMATS entry
+    trigger = opening.rstrip()
+    start = text.find(trigger) if trigger else \
+        len(text) - len(text.lstrip()) if text.lstrip()[:1] in "{" else -1   # "": not yet known
+    if start == -1:
+        held = next((k for k in range(len(trigger) - 1, 0, -1) if text.endswith(trigger[:k])), 0)
+        return (text if final else text[:len(text) - held].rstrip()), []
+    head = re.compile(rf'\s*(?:{re.escape(trigger) or ";"})?\s*\{{\s*"name"\s*:\s*'
+                      rf'("(?:[^"\\]|\\.)*")\s*,\s*"{key}"\s*:\s*')
+    calls, pos = [], start
+    while m := head.match(text, pos):
+        try:                          # the arguments end where their JSON value does
+            end = m.end() + json.JSONDecoder().raw_decode(text[m.end():])[1]
+        except ValueError:            # still being written, or cut short
+            return text[:start].rstrip(), calls + [[json.loads(m[1]), text[m.end():]]]
+        calls.append([json.loads(m[1]), text[m.end():end]])
+        if not (after := re.compile(r"\s*\}\s*" + re.escape(closing)).match(text, end)):
+            break
+        pos = after.end()
+    return text[:start].rstrip(), calls
+
+def compile_grammar(front: FrontEnd, source: str, lark: bool = False) -> str:
+    """llguidance's grammar for a JSON schema (as JSON, through prepare_schema; compact output)
+    or Lark text, checked: a ValueError says why not. FrontEnd.grammar caches it, one per source."""
+    if front.tokenizer is None:
+        raise ValueError(f"structured output needs {front.cfg.model}/tokenizer.json")
+    num_tokens = front.tokenizer.get_vocab_size()     # llguidance's matcher refuses more
+    if num_tokens > front.cfg.vocab_size:
+        raise ValueError(f"structured output needs the tokenizer's {num_tokens} tokens within "
+                         f"the model's vocab_size ({front.cfg.vocab_size})")
+    grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
+        llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare_schema(
+            json.loads(source))), overrides={"whitespace_flexible": False})
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"the schema cannot be compiled: {error}")
+    return grammar
+
+
+async def request_grammar(server: OpenAIServer, source, field: str = "response_format"):
+    """The grammar of a JSON schema or of Lark text, compiled in a thread (FrontEnd.grammar); None
+    without a source ({} is one: any JSON value). A bad one is a 400 that names the field."""
+    try:
+        lark = isinstance(source, str)
+        return None if source is None else await asyncio.to_thread(
+            server.front.grammar, source if lark else json.dumps(source), lark)
+    except ValueError as e:
+        raise APIError(400, f"'{field}': {e}", param=field)
+
+async def chat_grammar(server: OpenAIServer, f: dict) -> tuple:
+    """A chat request's grammar, and the format its calls are written in (None: no calls).
+    tool_choice is None, "auto", "required" or a tool's name; a call wins over response_format."""
+    tool = f.get("tool_choice")
+    if not tool:
+        return await request_grammar(server, f.get("response_format")), None
+    fmt = server.front.tool_call_format if tool == "auto" else "json"   # json: a forced call
+    lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True))
+    return await request_grammar(server, lark, "tools"), fmt
+
+def tool_call_shape(server: OpenAIServer, f: dict, fmt: str, num_prompt_tokens: int,
+                    num_top_logprobs: Optional[int]) -> _ToolCallShape:
+    shape = _ToolCallShape(server, num_prompt_tokens, num_top_logprobs, TOOL_CALL_FORMATS[fmt])
+    shape.hold = fmt == "json" and bool(f["stop"])   # a stop string may cut a forced call
+    return shape
+
+class _ToolCallShape(_ChatShape):
+    """The chat shape with tools: the text is parsed (split_tool_calls) into content and call
+    deltas (index, id, type, name, arguments), and the last chunk's finish_reason is "tool_calls"
+    if the model called. A forced call that a stop string may cut is held to its end (hold): it
+    comes whole, or if cut, as text with "stop"."""
+    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format: tuple):
+        super().__init__(server, num_prompt_tokens, num_top_logprobs)
+        self.call_format = call_format    # a TOOL_CALL_FORMATS entry
+        self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
+
+    def opening(self, i: int) -> list:
+        return [{"index": i, "delta": {"role": "assistant", "content": None},   # null until text
+                 "logprobs": None, "finish_reason": None}]
+
+    def parsed_delta(self, d: Delta, final: bool) -> dict:
+        """What is new in choice d.index's content and calls, from its whole text parsed again."""
+        text, num_chars, num_args = self.sent.setdefault(d.index, ["", 0, []])
+        text = self.sent[d.index][0] = text + d.text
+        content, calls = split_tool_calls(self.call_format, text, final)
+        delta = {"content": content[num_chars:]} if len(content) > num_chars else {}
+        self.sent[d.index][1] = len(content)
+        new = []
+        for i, (name, arguments) in enumerate(calls):
+            if i >= len(num_args):                 # a call's first delta names it
+                new.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": name, "arguments": arguments}})
+            elif len(arguments) > num_args[i]:
+                new.append({"index": i, "function": {"arguments": arguments[num_args[i]:]}})
+        num_args[:] = [len(arguments) for _, arguments in calls]
+        return delta | ({"tool_calls": new} if new else {})
+
+    def last(self, state: RequestState, d: Delta) -> dict:
+        delta = self.parsed_delta(dataclasses.replace(d, text=""), final=True)
+        called = d.finish_reason == "stop" and self.sent[d.index][2]
+        return {"index": d.index, "delta": delta, "logprobs": None,
+                "finish_reason": "tool_calls" if called else d.finish_reason}
+
+    def choice(self, d: Delta) -> dict:
+        delta = self.parsed_delta(d, False)
+        try:            # a held call comes whole: if a stop string cut it, it is text, not a call
+            if self.hold and d.finish_reason == "stop":
+                json.loads(d.text)
+        except ValueError:
+            delta, self.sent[d.index] = {"content": d.text}, ["", 0, []]   # last: no call
+        return {"index": d.index, "delta": delta,
+                "logprobs": chat_logprobs(self, d), "finish_reason": d.finish_reason}
+
+# -- the engine core's half: matchers, masks, and the tokens followed --
+class GrammarMasks:
+    """The host half: each request's matcher, its masks filled on every core but one (the step
+    loop keeps its own; 16 at most), the sampled tokens followed. Copies of one matcher share
+    its lexer, so their masks fill one at a time (on a 16-core H100 host, 214 us per row over
+    15 threads against 29 for matchers built apart), so requests are dealt round families, one
+    per fill thread: request n's matcher copies its grammar's matcher built for family
+    n % num_threads (a grammar is built once per family, on first use).
+    One pinned bitmask buffer, sized for a full step, is reused every step: the engine reads a
+    step back (a sync past its bitmask copy) before it fills the next one. The buffer (16 MB at
+    1,024 seats and a 128k vocabulary) and the pool's threads are made when a grammar first
+    comes, so an engine that serves none pays for neither."""
+
+    def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
+        import llguidance.numpy                       # only where grammars are served
+        self.llg = llguidance
+        self.num_threads = min(16, max(1, (os.cpu_count() or 2) - 1))
+        self.executor = functools.cache(lambda: llguidance.LLExecutor(self.num_threads))
+        self.tokenizer = functools.cache(lambda: llguidance.LLTokenizer(   # built on first use
+            tokenizer_path, n_vocab=vocab_size, eos_token=eos_token_ids))
+        self.built = functools.lru_cache(maxsize=64 * self.num_threads)(   # the 64 latest grammars
+            lambda grammar, family: llguidance.LLMatcher(self.tokenizer(), grammar))
+        self.num_matchers = 0
+        self.bitmask = functools.cache(lambda: torch.empty(   # (max_rows, cdiv(V, 32))
+            max_rows, -(-vocab_size // 32), dtype=torch.int32, pin_memory=pin))
+        self.thread = ThreadPoolExecutor(1)   # waits on the pool for fill_async
+        self.compiler = ThreadPoolExecutor(1)  # builds matchers, off the loop
+
+    def start_matcher(self, grammar):
+        """A Future of new_matcher(grammar), built on the compile thread, never on the step loop;
+        None without a grammar. Ready long before its first sample, mostly."""
+        return None if grammar is None else self.compiler.submit(self.new_matcher, grammar)
+
+    def new_matcher(self, grammar):
+        """A request's own matcher: a copy of its grammar's, built once per grammar and family."""
+        family, self.num_matchers = self.num_matchers % self.num_threads, self.num_matchers + 1
+        return self.built(grammar, family).deep_copy()
+
+    def start_fill(self, seqs, device):
+        """For ModelRunner.sample: a Future of pa.apply_token_mask's rows and bitmasks (what
+        their matchers allow next), or None if no row has a grammar (one check per row)."""
+        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return None
+        return self.fill_async([seqs[row].matcher.result() for row in rows], rows, device)
+
+    def fill_async(self, matchers, rows, device):
+        """fill on a thread of its own, then both copies queued: a Future of (rows, bitmask) on
+        the device, apply_token_mask's arguments (the default stream: the sampler's, after)."""
+        def fill_and_copy():
+            bitmask = self.fill(matchers).to(device, non_blocking=True)
+            rows_host = torch.tensor(rows, dtype=torch.int64)
+            return rows_host.pin_memory().to(device, non_blocking=True) if bitmask.is_cuda \
+                else rows_host, bitmask
+        return self.thread.submit(fill_and_copy)
+
+    def fill(self, matchers):
+        """The bitmasks of what each matcher allows next, (R, cdiv(V, 32)) int32 rows of the
+        pinned buffer; llguidance drops the GIL and splits the rows over its threads."""
+        bitmask = self.bitmask()[:len(matchers)]
+        self.llg.numpy.fill_next_token_bitmask_par(
+            self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
+        return bitmask
+
+    def follow(self, seqs, tokens):
+        """For EngineCore._commit: each unfinished grammar row's matcher takes its read-back token,
+        so that the grammar follows the output."""
+        self.consume([(seq.matcher.result(), token) for seq, token in zip(seqs, tokens)
+                      if seq.matcher is not None and not seq.is_finished])
+
+    def consume(self, pairs):
+        """Each (matcher, sampled token) pair's matcher takes its token, in parallel (a rejected
+        one leaves its matcher in the error state, as consume_token does)."""
+        if pairs:
+            self.executor().consume_token_par(pairs)
+
+def mask_logits(logits, raw, batch: SamplingBatch):           # (B, V) fp32
+    """The grammar rows' logits with what their grammar forbids at -inf (pa.apply_token_mask). In
+    place, but on a copy while `raw` is still to give the log-probs."""
+    if batch.allowed is None:
+        return logits
+    keep_raw = logits is raw and batch.max_logprobs is not None
+    return pa.apply_token_mask(logits.clone() if keep_raw else logits, *batch.allowed)
+
+def grammar_done(seq: Sequence) -> bool:
+    """Whether seq's grammar has ended: its answer is whole, and the request ends with "stop"."""
+    return seq.matcher is not None and seq.matcher.result().is_stopped()
+
+# ---------------------------------------------------------------------------
+# Chapter: log-probs and logit edits
+# Three things a request may ask of the sampler beyond its draw. Log-probs: the model's own
+# log-probability of each sampled token and of the k likeliest, as the OpenAI API reports them
+# (before any edit, temperature or top-p). Prompt log-probs: the same for each prompt token,
+# which runs the LM head over the prompt's rows. Logit edits: logit_bias, and the presence,
+# frequency and repetition penalties, which read the tokens so far. They apply as sparse edits at
+# (row, token) entries, never as a dense (B, V) bias (pa.apply_logit_edits).
+# Seams: SamplingParams' fields, check_sampling_params (check_logit_params), the sampler
+# (edit_logits, sampled_logprobs), Sequence.prompt_logprobs, Scheduler._reuse_cached_prefix (a
+# request for prompt log-probs computes every prompt row), ModelRunner.sampling_batch
+# (logit_edits) and launch (compute_prompt_logprobs), EngineCore._append_token (add_logprobs).
+
+def check_logit_params(p: SamplingParams, vocab_size: float):
+    """The ranges of this chapter's SamplingParams fields; logit_bias's keys made ints."""
+    for name, lo, hi in [("logprobs", 0, 20), ("prompt_logprobs", 0, 20),
+                         ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)]:
+        if getattr(p, name) is not None and not lo <= getattr(p, name) <= hi:
+            raise ValueError(f"{name} must be in [{lo}, {hi}], got {getattr(p, name)}")
+    if not 0 < p.repetition_penalty < math.inf:
+        raise ValueError(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    try:        # JSON object keys are strings: {"1234": -100}
+        p.logit_bias = {int(t): float(b) for t, b in (p.logit_bias or {}).items()}
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        p.logit_bias = {-1: 0.0}                        # refused just below
+    if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in p.logit_bias.items()):
+        raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
+
+def edit_logits(raw, batch: SamplingBatch):                  # (B, V) fp32
+    """The logits with each row's bias and penalties applied; raw itself if no row has any."""
+    return raw if batch.logit_edits is None else pa.apply_logit_edits(raw, batch.logit_edits)
+
+def sampled_logprobs(raw, tokens, batch: SamplingBatch) -> Optional[tuple]:   # (B, V), (B,)
+    """The sampled tokens' log-probs (B,) and the top values and ids (B, k), from the model's own
+    logits `raw`, before edits, temperature and top-p; None if no row asks."""
+    if batch.max_logprobs is None:
+        return None
+    logp = raw.log_softmax(dim=-1)                         # (B, V) fp32
+    top = logp.topk(batch.max_logprobs, dim=-1)            # (B, k) values and indices
+    return logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices
+
+def logit_edits(seqs: list, device) -> Optional[tuple]:
+    """pa.apply_logit_edits' entries (pa.logit_edit_entries) for the rows with a bias or a
+    penalty, from every token so far; None if no row has any."""
+    rows = [(row, seq.token_ids, seq.num_prompt_tokens, seq.params)
+            for row, seq in enumerate(seqs)
+            if seq.params.logit_bias or seq.params.needs_output_history]
+    return pa.logit_edit_entries(rows, device) if rows else None
+
+def compute_prompt_logprobs(runner: ModelRunner, batch: ScheduledBatch, hidden):  # (N_tok, D)
+    """Append to each sequence that asks the entries of the prompt tokens it predicts."""
+    if all(s.params.prompt_logprobs is None for s in batch.seqs):
+        return                      # the common case: no LM head, no host sync
+    C = runner.cfg.max_num_seqs       # rows per LM-head call: the sampler's memory budget
+    for seq, rows in zip(batch.seqs, hidden.split(batch.num_new_tokens)):   # (n, D) each
+        k, start = seq.params.prompt_logprobs, seq.num_computed_tokens
+        a = max(start, len(seq.prompt_logprobs))       # a preempted sequence recomputes
+        b = min(start + len(rows), seq.num_prompt_tokens - 1)  # row i predicts token i + 1
+        if k is None or a >= b:
+            continue
+        targets = pa.to_device(runner.device, seq.token_ids[a + 1:b + 1], torch.int64)  # (T,)
+        for h, t in zip(rows[a - start:b - start].split(C), targets.split(C)):
+            logp = runner.model.compute_logits(h).float().log_softmax(dim=-1)  # (C, V)
+            top, chosen = logp.topk(k, dim=-1), logp.gather(1, t[:, None])[:, 0]
+            seq.prompt_logprobs += [(lp, dict(zip(i, v))) for lp, i, v in zip(
+                chosen.tolist(), top.indices.tolist(), top.values.tolist())]
+
+def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
+    """Into a token's output: its log-prob and seq's top k, if it asked (logprobs: the token's
+    row, (chosen, top values, top ids)); with its first token, its prompt's log-probs."""
+    if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
+        out.prompt_logprobs = seq.prompt_logprobs
+    k = seq.params.logprobs
+    if out.token_id is not None and logprobs and k is not None:
+        chosen, top_values, top_ids = logprobs
+        out.logprobs = (chosen, dict(zip(top_ids[:k], top_values[:k])))
+
+# ---------------------------------------------------------------------------
+# Chapter: tensor parallelism
+# With tensor_parallel_size N the model is cut over N GPUs (gloo processes on the CPU), in
+# Megatron-LM's way. Column-parallel matmuls (q, k, v; gate, up) keep a rank's n_heads/N query
+# heads, n_kv/N KV heads and I/N channels, so attention and SiLU-and-mul need no other rank.
+# Row-parallel ones (o, down) leave a partial (N_tok, D) sum on each rank. An all-reduce adds
+# the partial sums up, twice a layer, in pa.linear (all_reduce=True). Rank 0's part alone brings
+# the residual, so the sum counts it once. The embedding, norms and LM head stay whole, so every
+# rank holds the same residual stream. A rank's KV pool holds its n_kv/N heads, in the same
+# blocks. pa.shard cuts each checkpoint tensor as the loader reads it.
+# The engine core is rank 0, and start_workers runs ranks 1..N-1, each a process of its own.
+# Rank 0 alone schedules, computes logits and samples. The last all-reduce gives every rank the
+# same hidden states, and sampling reads host state (generators, grammars, tokens) that only
+# rank 0 keeps. Each step, rank 0 pipes every worker put_step's arguments (a few host lists). The
+# input ids follow by a device broadcast, since a pending token is on rank 0's GPU only.
+# Start-up (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every
+# rank.
+# Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
+# all_reduce), ModelRunner.__init__ (start_workers, stopped_on_error, start_steps),
+# allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0), LLM.close
+# (stop_workers), run_engine_core (exit_on_worker_death, exit_on_failed_step).
+
+def start_workers(cfg, make_runner):
+    """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
+    that builds make_runner(cfg) (ModelRunner) and follows rank 0's steps
+    (_follow_steps), and join them in one process group. Returns their
+    TensorParallelWorkers; None at size 1, or on a worker (in the group already).
+    One engine per process uses the group: another is refused while it is open (on GPUs,
+    for good: _close_workers)."""
+    n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
+    if n < 1 or cfg.num_kv_heads % n or cfg.intermediate_size % n:
+        sizes = [k for k in range(1, cfg.num_kv_heads + 1)
+                 if cfg.num_kv_heads % k == 0 and cfg.intermediate_size % k == 0]
+        raise ValueError(f"tensor_parallel_size {n} must divide the model's {cfg.num_heads} "
+                         f"query heads, {cfg.num_kv_heads} KV heads and MLP size "
+                         f"{cfg.intermediate_size}: this model runs on "
+                         f"{', '.join(map(str, sizes))}")
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return None
+    if dist.is_initialized():
+        raise ValueError("a tensor-parallel engine is still open in this process (close it "
+                         "first: LLM.close()), or ran on GPUs here, where its NCCL group "
+                         "outlives it (start the next engine in a new process)")
+    if n > 1 and getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.exit(f"error: tensor_parallel_size {n} from a script needs the script's LLM(...) "
+                 "under `if __name__ == \"__main__\":`, since each worker imports the script")
+    return TensorParallelWorkers(cfg, make_runner) if n > 1 else None
+
+@contextlib.contextmanager
+def stopped_on_error(workers):
+    """Around rank 0's start-up after start_workers: if it raises (a bad setting that
+    every rank meets alike, Ctrl-C), the workers are stopped before the error goes on,
+    so that a caller who catches it keeps a clean process."""
+    try:
+        yield
+    except BaseException:
+        stop_workers(workers)
+        raise
+
+def stop_workers(workers):
+    """TensorParallelWorkers.close, where there are workers (LLM.close)."""
+    if workers is not None:
+        workers.close()
+
+def exit_on_worker_death(workers):
+    """Where rank 0 is a process of its own behind a server (the engine core):
+    a worker's death ends it, as its own would (TensorParallelWorkers)."""
+    if workers is not None:
+        workers.exit_on_death = True
+
+def exit_on_failed_step(workers):
+    """In the engine core process, after a step that raised on rank 0: the workers
+    may be inside it still, in all-reduces rank 0 will never join, so the ranks are out of
+    step for good. The process ends as at a worker's death (close stops the workers)."""
+    if workers is not None:
+        sys.exit(1)
+
+def send_step(workers, plan):
+    """Rank 0's step plan to every worker, once all have started (start_steps)."""
+    if workers is not None and workers.started:
+        workers.send(plan)
+
+def start_steps(workers):
+    """From now on rank 0 sends its steps: the steps before were start-up's (profiling,
+    CUDA-graph warm-ups and captures), which every rank runs by itself, alike."""
+    if workers is not None:
+        workers.started = True
+
+def _backend(device):
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+def _init_group(device, rank, size, port, store=None):
+    device_id = torch.device("cuda", rank) if _backend(device) == "nccl" else None
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
+        store.add("joined", 1)         # rank 0 waits for every other rank (TensorParallelWorkers)
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
+                            device_id=device_id)
+
+class TensorParallelWorkers:
+    """Rank 0's end of the other ranks: a pipe to each (send), a watchdog on their lives, close.
+
+    Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe
+    from rank 0 reads EOF: rank 0 gone, however it went (closed, killed), so no
+    worker outlives it. A worker that dies is seen at once by the watchdog thread,
+    which waits on the processes' sentinels. Rank 0 then exits too (exit_on_death)
+    in the engine core process (exit_on_worker_death), whose server then
+    fails the requests as for any engine-core death; on the GPU, where a collective
+    waiting for a dead rank never returns; and during start-up, which may be waiting
+    for the dead rank to join the group. Else (LLM on the CPU) the step in flight
+    raises instead (gloo reports the peer gone), and so does every later send.
+
+    close (_close_workers) runs once: at LLM.close, when the workers are collected
+    with their LLM, when start-up fails (stopped_on_error), and at exit, before
+    multiprocessing waits for its children. Neither it nor the watchdog holds self,
+    so an LLM dropped without close is still collected, and closed."""
+
+    def __init__(self, cfg, make_runner):
+        n, backend = cfg.tensor_parallel_size, _backend(cfg.device)
+        if backend == "nccl" and torch.cuda.device_count() < n:
+            raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, "
+                             f"found {torch.cuda.device_count()}")
+        # the engine core process is a daemon (it ends with its server), and
+        # multiprocessing lets no daemon start a process: its workers end with it by
+        # their pipes' EOF instead, so the flag can go.
+        multiprocessing.current_process().daemon = False
+        # The group's rendezvous, on a free port. Held here, it outlives a start-up broken off
+        # (Ctrl-C), so that the workers it leaves waiting there go quietly, by close.
+        self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
+        ctx = multiprocessing.get_context("spawn")
+        self.pipes, self.procs, self.closed = [], [], threading.Event()
+        self.error, self.started = "", False
+        self.exit_on_death = backend == "nccl"
+        self.close = multiprocessing.util.Finalize(
+            self, _close_workers, (self.pipes, self.procs, self.closed), exitpriority=100)
+        with sigint_held():            # Ctrl-C stops rank 0 alone, and the workers by close
+            for rank in range(1, n):
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, name=f"nanoserve-tp-rank-{rank}",
+                                   args=(make_runner, cfg, rank, self.store.port, reader),
+                                   daemon=True)
+                proc.start()
+                reader.close()         # the worker's end, closed here: a dead worker's pipe breaks
+                self.pipes.append(writer)
+                self.procs.append(proc)
+        sentinels = [p.sentinel for p in self.procs]
+        threading.Thread(target=_watch, args=(weakref.ref(self), sentinels, self.closed),
+                         name="nanoserve-tp-watchdog", daemon=True).start()
+        while self.store.add("joined", 0) < n - 1:    # a wait in Python, which Ctrl-C can stop
+            time.sleep(0.05)
+        _init_group(cfg.device, 0, n, self.store.port, self.store)
+
+    def send(self, plan):
+        if self.closed.is_set():
+            raise RuntimeError("this tensor-parallel engine is closed (LLM.close())")
+        if self.error:
+            raise RuntimeError(self.error)
+        for pipe in self.pipes:
+            pipe.send(plan)
+
+def _close_workers(pipes, procs, closed):
+    """Each worker reads EOF and exits; one still inside a step that rank 0 left (a
+    failed step, Ctrl-C) waits in a collective for good, so it is killed after 1 s.
+    Then a gloo group goes, so another engine may start. An NCCL group stays: destroying
+    it is a collective that waits for every rank, and with the workers gone it would never
+    return. So on GPUs the next engine needs a new process (start_workers)."""
+    closed.set()                       # for the watchdog: from now on a death is no fault
+    for pipe in pipes:
+        pipe.close()
+    deadline = time.monotonic() + 1
+    for proc in procs:
+        proc.join(max(0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+def _watch(ref, sentinels, closed):
+    """The watchdog thread (TensorParallelWorkers). It holds the workers by a weak reference
+    only, so that they can be collected while it waits."""
+    dead = multiprocessing.connection.wait(sentinels)
+    workers = ref()
+    if workers is None or closed.is_set():
+        return
+    proc = next(p for p in workers.procs if p.sentinel in dead)
+    proc.join(1)
+    workers.error = f"the tensor-parallel worker {proc.name} exited (exit code {proc.exitcode})"
+    print(f"error: {workers.error}", file=sys.stderr, flush=True)
+    if workers.exit_on_death or not workers.started:
+        os._exit(1)
+
+def _follow_steps(runner, pipe):
+    """A worker's main loop, once its runner has run the same start-up as rank 0's
+    (loading, the KV pool's size, CUDA graphs): each step rank 0 sends (put_step's
+    arguments) through this rank's shard of the model, until the pipe closes. Its
+    output is dropped: the all-reduces have given rank 0 the same hidden states."""
+    with torch.no_grad():
+        while True:
+            try:
+                plan = pipe.recv()
+            except EOFError:              # rank 0 is gone, however it went
+                return
+            inputs = runner.put_step(*plan)   # (input_ids, positions, meta)
+            graph = runner.graphs.get(plan[1])    # the graph of the size rank 0 replays
+            if graph is not None:
+                graph[0].replay()
+            else:
+                runner.model(*inputs)
+
+def _worker_main(make_runner, cfg, rank, port, pipe):
+    """A worker process: its signals, its GPU, its place in the group, then rank 0's
+    start-up and steps; once the pipe closes (rank 0 is gone), out at once: no
+    teardown waits on a dead peer."""
+    follow_parent()                # what stops rank 0 (the server, Ctrl-C) stops us by EOF
+    if _backend(cfg.device) == "nccl":
+        cfg.device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    try:
+        _init_group(cfg.device, rank, cfg.tensor_parallel_size, port)
+        runner = make_runner(cfg)
+    except Exception:
+        # A bad setting meets rank 0 too, which raises it to its caller and closes our pipe,
+        # as it does when stopped during start-up (Ctrl-C): then the error is rank 0's to tell.
+        if pipe.poll(5):
+            os._exit(1)
+        raise
+    _follow_steps(runner, pipe)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+# ---------------------------------------------------------------------------
+# Chapter: fp8 weights
+# With quantization="fp8", each decoder layer's matmul weights (qkv, o, gate_up, down) are
+# quantized at load to fp8 e4m3, with one fp32 scale per output channel. A decode step then reads
+# half the bytes it reads in bf16. The embedding, the norms and the LM head stay in the model's
+# dtype (bf16 on a GPU, fp32 on the CPU). Under tensor parallelism each rank quantizes its own
+# shard, after pa.shard, so a scale never spans ranks. pa.linear takes an fp8 weight as it is:
+# the batch-1 GEMV widens each weight as it streams in, and a larger batch runs on the fp8 tensor
+# cores (pa.linear_fp8). The kernels and their torch references are in paged_attention.py's fp8
+# section. On a CPU the reference widens the weights at every step, which is correct but slower
+# than fp32.
+# Seams: Config._check (check_fp8), build_model (quantize_fp8_weights).
+
+def check_fp8(cfg: Config):
+    """fp8 on a GPU needs fp8 tensor cores (compute capability 8.9 or above: Ada, Hopper)."""
+    if cfg.quantization and cfg.device.startswith("cuda") and \
+            torch.cuda.get_device_capability(cfg.device) < (8, 9):
+        raise ValueError("quantization fp8 needs fp8 tensor cores (compute capability 8.9 "
+                         "or above: Ada, Hopper); run this GPU without it")
+
+def quantize_fp8_weights(model: Model, cfg: Config):
+    """Each decoder layer's nn.Linear weight to e4m3, with its scales (pa.quantize_fp8)."""
+    if cfg.quantization != "fp8":
+        return
+    for module in model.layers.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = pa.quantize_fp8(module.weight)   # (N, K) e4m3, .scale (N,)
+
+# ---------------------------------------------------------------------------
+# Chapter: the rest of the OpenAI API
+# Part one's handlers read a body's fields through parse_fields and answer in OpenAI's shapes.
+# This chapter holds what makes them conformant: a table of each endpoint's fields, with their
+# JSON types and rules; the body's limits and the API key; the shapes of log-probs, per endpoint,
+# with echo; /v1/models and /metrics; and errors in OpenAI's shape.
+# An unknown field is refused, never ignored: it might have changed the output. A field the API
+# defines but nanoserve does not implement is refused too, unless it asks for nothing new. So a
+# client never gets other than it asked.
+# Seams: the handlers (read_body, then parse_fields with COMPLETION_FIELDS or CHAT_FIELDS), the
+# routes (keyed, api_routes), build_app (error_response), the response shapes
+# (completion_logprobs, chat_logprobs), EngineCoreClient (ServerMetrics), and RequestState's
+# latency clock.
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
@@ -2056,398 +2916,68 @@ def _check(value, kind, path: str):
             raise APIError(400, f"'{path}' must be a finite number", param=path)
     return value
 
-def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
-                          prompt_logprobs: Optional[int] = None, grammar=None) -> list:
-    """One SamplingParams per choice. Choice i seeds seed + i: n different, reproducible choices."""
-    shared = {k: v for k, v in f.items() if k in _SAMPLING_FIELDS}
-    seed = f.get("seed")
-    return [SamplingParams(**shared, max_tokens=max_tokens, stop=f["stop"], logprobs=logprobs,
-                           prompt_logprobs=prompt_logprobs, grammar=grammar,
-                           seed=None if seed is None else (seed + i) % 2**64)
-            for i in range(f.get("n", 1))]
-
-# -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
-_to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
-
-class _Shape:
-    """A response, any endpoint: ids, envelopes, chunks, log-probs (clamped: JSON has no -inf)."""
-    id_prefix, object, chunk_object, hold = "", "", "", False  # hold: all at the end (_ChatShape)
-
-    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs: Optional[int]):
-        self.server, self.num_top_logprobs = server, num_top_logprobs
-        self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
-        self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
-
-    def opening(self, i: int) -> list:
-        """The chunks a stream opens choice i with."""
-        return []
-
-    def has_news(self, d: Delta) -> bool:
-        """Whether d is worth a chunk (a token whose text is held back still has log-probs)."""
-        return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
-
-    def token_logprobs(self, token_ids: list, logprobs: list):
-        """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
-        text = self.server.token_text
-        for token, (logprob, top) in zip(token_ids, logprobs):
-            top = list(top.items())[:self.num_top_logprobs]     # sorted, likeliest first
-            yield text(token), max(logprob, -9999.0), [(text(t), max(lp, -9999.0)) for t, lp in top]
-
-    def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
-        body = {"id": self.id, "object": object, "created": self.created,
-                "model": self.server.model_name, "choices": choices}
-        n, m = self.num_prompt_tokens, self.num_completion_tokens
-        return {**body, "usage": {"prompt_tokens": n, "completion_tokens": m,
-                                  "total_tokens": n + m}} if usage else body
-
-    async def chunks(self, states, n: int):
-        """The choices to send: the openings, one per Delta with news, then `last`'s (the end)."""
-        async with contextlib.aclosing(states):
-            for choice in [c for i in range(n) for c in self.opening(i)]:
-                yield choice
-            async for state in states:
-                if self.hold and state.finish_reason is None:   # all of it, at the end
-                    continue
-                d = state.take_delta()
-                if d.finish_reason == "error":
-                    raise APIError(500, state.error, "internal_error")
-                self.num_completion_tokens += len(d.token_ids)
-                if self.has_news(d):
-                    choice = self.choice(d)
-                    if choice.get("delta") != {} or choice["logprobs"]:   # tools hold back
-                        yield choice | {"finish_reason": None}   # that is the last chunk's to say
-                if d.finish_reason is not None:   # (an echo not sent yet goes with it)
-                    yield self.last(state, d)
-
-    def last(self, state: RequestState, d: Delta) -> dict:
-        """The chunk that carries the finish_reason."""
-        return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
-
-    async def stream(self, chunks, include_usage: bool, write):
-        """OpenAI's stream: each event's data (a chunk's JSON, then `[DONE]`) goes to `write`.
-        An error after the first byte is an event too: the status line is gone."""
-        head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
-        async with contextlib.aclosing(chunks):
-            try:
-                async for choice in chunks:
-                    await write(f"{head}{_to_json(choice)}]}}")
-                if include_usage:
-                    await write(_to_json(self.envelope(self.chunk_object, [], usage=True)))
-            except Exception as e:            # an APIError as it is; a bug logged, in one line
-                if not isinstance(e, APIError):
-                    traceback.print_exc()
-                    e = APIError(500, f"internal error: {e!r}", "internal_error")
-                await write(_to_json(e.body))
-        await write("[DONE]")
-
-    async def body(self, chunks, request: Request) -> Optional[dict]:
-        """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
-        the whole "message". None if the client hangs up first: uvicorn does not cancel a handler
-        whose client left, so each chunk asks, and closing `chunks` aborts the request."""
-        choices = {}                                       # index -> the whole choice so far
-        async with contextlib.aclosing(chunks):
-            async for choice in chunks:
-                if await request.is_disconnected():
-                    return None
-                _fold(choices.setdefault(choice["index"], {}), choice)
-        for c in choices.values():
-            if "delta" in c:
-                c["message"] = c.pop("delta")
-        return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
-
-@dataclass
-class _EventStream:
-    """A stream's ASGI response: `stream(write)` writes each event as it comes, one `send` each.
-    A task of its own listens for the client leaving, then cancels the writing: `stream` closing
-    its chunks runs their `finally` (the abort) now, not when the garbage collector gets to it."""
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
-    stream: functools.partial         # _Shape.stream, given its chunks: awaits write(data)
-
-    async def __call__(self, scope, receive, send):
-        async def write(data: str):       # server-sent events' framing
-            body = f"data: {data}\n\n".encode()
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        async def listen():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            writer.cancel()
-        writer, listener = asyncio.current_task(), asyncio.create_task(listen())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            await self.stream(write)
-            await send({"type": "http.response.body", "body": b""})
-        except asyncio.CancelledError:
-            if listener.cancelled() or not listener.done():   # not the client: the server stops
-                raise
-            writer.uncancel()
-        finally:
-            listener.cancel()
-
-def _fold(whole: dict, chunk: dict):
-    """Per key: strings and lists concatenate, objects fold alike, tool-call deltas join their
-    call (by index); any other value replaces the old one, except that null never does."""
-    for key, value in chunk.items():
-        old = whole.get(key)
-        if isinstance(value, dict) and isinstance(old, dict):
-            _fold(old, value)
-        elif key == "tool_calls":
-            calls = whole.setdefault(key, [])
-            for item in value:
-                if item["index"] == len(calls):       # a new call (they come in order)
-                    calls.append({})
-                _fold(calls[item["index"]], item)
-        elif isinstance(value, (str, list)) and old is not None:
-            whole[key] = old + value
-        elif value is not None or key not in whole:
-            whole[key] = value
-
-class _CompletionShape(_Shape):
-    """The legacy completions shape: `echo` puts each prompt before its choices' text and, with
-    `logprobs`, its tokens' log-probs before theirs (null for the first, which nothing predicts)."""
-    id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
-
-    def __init__(self, server, prompts: list, prompt_ids: list, num_top_logprobs, echo, n: int):
-        super().__init__(server, sum(map(len, prompt_ids)), num_top_logprobs)
-        self.echoes = [(p if isinstance(p, str) else server.front.decode(ids), ids) if echo
-                       else None for p, ids in zip(prompts, prompt_ids)]  # (text, ids) or None
-        self.n, self.offsets = n, {}          # choice -> text_offset of its next token
-
-    def choice(self, d: Delta) -> dict:
-        echo = self.echoes[d.index // self.n] if d.index not in self.offsets else None
-        self.offsets.setdefault(d.index, 0)
-        return {"index": d.index, "text": echo[0] + d.text if echo else d.text,
-                "logprobs": self.logprobs(d, echo) if self.num_top_logprobs is not None else None,
-                "finish_reason": d.finish_reason}
-
-    def logprobs(self, d: Delta, echo) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        rows = []                                          # (text, logprob, top) per token
-        if echo:                              # the prompt's rows, the first one empty
-            first = (self.server.token_text(echo[1][0]), None, None)
-            rows = [first, *self.token_logprobs(echo[1][1:], d.prompt_logprobs or [])]
-        for i, (text, logprob, top) in enumerate(
-                rows + list(self.token_logprobs(d.token_ids, d.logprobs))):
-            if echo and i == len(rows):       # the completion starts after the echoed text
-                self.offsets[d.index] = len(echo[0])
-            offset = self.offsets[d.index]
-            self.offsets[d.index] = offset + len(text)
-            for key, value in zip(out, (text, logprob, top if top is None else dict(top), offset)):
-                out[key].append(value)
-        return out
-
-class _ChatShape(_Shape):
-    """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
-    empty one with the finish_reason ("tool_calls" if the model called). With tools, the text is
-    parsed (split_tool_calls) into content and call deltas: index, id, type, name, arguments. A
-    forced call that a stop string may cut is held to its end: whole, or if cut, text and "stop"."""
-    id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
-
-    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format=None):
-        super().__init__(server, num_prompt_tokens, num_top_logprobs)
-        self.call_format = call_format    # a TOOL_CALL_FORMATS entry; None: no calls
-        self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
-
-    def opening(self, i: int) -> list:
-        content = None if self.call_format else ""   # a call may come: null until text does
-        return [{"index": i, "delta": {"role": "assistant", "content": content},
-                 "logprobs": None, "finish_reason": None}]
-
-    def parsed_delta(self, d: Delta, final: bool) -> dict:
-        """What is new in choice d.index's content and calls, from its whole text parsed again."""
-        text, num_chars, num_args = self.sent.setdefault(d.index, ["", 0, []])
-        text = self.sent[d.index][0] = text + d.text
-        content, calls = split_tool_calls(self.call_format, text, final)
-        delta = {"content": content[num_chars:]} if len(content) > num_chars else {}
-        self.sent[d.index][1] = len(content)
-        new = []
-        for i, (name, arguments) in enumerate(calls):
-            if i >= len(num_args):                 # a call's first delta names it
-                new.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                            "function": {"name": name, "arguments": arguments}})
-            elif len(arguments) > num_args[i]:
-                new.append({"index": i, "function": {"arguments": arguments[num_args[i]:]}})
-        num_args[:] = [len(arguments) for _, arguments in calls]
-        return delta | ({"tool_calls": new} if new else {})
-
-    def last(self, state: RequestState, d: Delta) -> dict:
-        if not self.call_format:
-            return super().last(state, d)
-        delta = self.parsed_delta(dataclasses.replace(d, text=""), final=True)
-        called = d.finish_reason == "stop" and self.sent[d.index][2]
-        return {"index": d.index, "delta": delta, "logprobs": None,
-                "finish_reason": "tool_calls" if called else d.finish_reason}
-
-    def choice(self, d: Delta) -> dict:
-        delta = self.parsed_delta(d, False) if self.call_format else \
-            {"content": d.text} if d.token_ids else {}
-        try:            # a held call comes whole: if a stop string cut it, it is text, not a call
-            if self.hold and d.finish_reason == "stop":
-                json.loads(d.text)
-        except ValueError:
-            delta, self.sent[d.index] = {"content": d.text}, ["", 0, []]   # last: no call
-        return {"index": d.index, "delta": delta,
-                "logprobs": self.logprobs(d), "finish_reason": d.finish_reason}
-
-    def logprobs(self, d: Delta) -> Optional[dict]:
-        if self.num_top_logprobs is None or not d.token_ids:
-            return None
-        def entry(text, logprob):
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-        return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
-                            for text, logprob, top in self.token_logprobs(d.token_ids, d.logprobs)]}
-
-# -- the app --
+# -- the body, the API key, the routes beyond completions, and errors --
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
-class OpenAIServer:
-    """The routes over one EngineCoreClient; handlers run on the event loop (Server, above)."""
-    def __init__(self, client: EngineCoreClient, cfg: Config):
-        self.client, self.front, self.cfg = client, client.front, cfg
-        self.model_name = Path(cfg.model).name             # what clients pass as 'model'
-        self.created = int(time.time())                    # for /v1/models
+async def read_body(server: OpenAIServer, request: Request) -> dict:
+    """The JSON body, refused as soon as it is too large (before it is read whole), and refused if
+    it names another model."""
+    data, limit = bytearray(), server.cfg.max_request_bytes
+    try:
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise APIError(413, f"the body is larger than {limit} bytes")
+    except ClientDisconnect:              # the client left mid-body: nobody to answer
+        raise APIError(499, "the client closed the connection")
+    try:
+        # parse_constant: NaN and Infinity are Python's extension, not JSON
+        body = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep
+        raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != server.model_name:
+        raise APIError(404, f"the model {str(model)[:100]!r} does not exist; this server "
+                            f"serves {server.model_name!r}", param="model",
+                       code="model_not_found")
+    return body
 
-    def routes(self) -> list:
-        # /health and /metrics stay open, so probes and scrapers need no key
-        return [Route("/health", self.health), Route("/metrics", self.metrics),
-                Route("/v1/models", self._keyed(self.models)),
-                Route("/v1/models/{model:path}", self._keyed(self.models)),
-                Route("/v1/completions", self._keyed(self.completions), methods=["POST"]),
-                Route("/v1/chat/completions", self._keyed(self.chat), methods=["POST"])]
+def keyed(server: OpenAIServer, handler):
+    """handler behind the API key, where one is set (cfg.api_key)."""
+    async def checked(request: Request):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 9110); compare_digest's timing hides the key
+        if server.cfg.api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
+                given.strip().encode(), server.cfg.api_key.encode())):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+        return await handler(request)
+    return checked
 
-    def _keyed(self, handler):
-        async def checked(request: Request):
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            # the scheme is case-insensitive (RFC 9110); compare_digest's timing hides the key
-            if self.cfg.api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
-                    given.strip().encode(), self.cfg.api_key.encode())):
-                raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                               code="invalid_api_key")
-            return await handler(request)
-        return checked
+def api_routes(server: OpenAIServer) -> list:
+    """/v1/models, behind the key, and /metrics, open so that scrapers need no key."""
+    created = int(time.time())
 
-    def token_text(self, token: int) -> str:
-        tokenizer = self.front.tokenizer
-        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
-
-    async def health(self, request: Request) -> Response:
-        return PlainTextResponse(self.client.error or "ok", 503 if self.client.error else 200)
-
-    async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "nanoserve", "max_model_len": self.cfg.max_model_len}
-        wanted = request.path_params.get("model", self.model_name)
-        if wanted != self.model_name:
+    async def models(request: Request) -> Response:
+        card = {"id": server.model_name, "object": "model", "created": created,
+                "owned_by": "nanoserve", "max_model_len": server.cfg.max_model_len}
+        wanted = request.path_params.get("model", server.model_name)
+        if wanted != server.model_name:
             raise APIError(404, f"the model {wanted!r} does not exist", param="model",
                            code="model_not_found")
         return JSONResponse(card if "model" in request.path_params else
                             {"object": "list", "data": [card]})
 
-    async def metrics(self, request: Request) -> Response:
-        return Response(prometheus_client.generate_latest(self.client.metrics),
+    async def metrics(request: Request) -> Response:
+        return Response(prometheus_client.generate_latest(server.client.metrics.registry),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
+    return [Route("/metrics", metrics), Route("/v1/models", keyed(server, models)),
+            Route("/v1/models/{model:path}", keyed(server, models))]
 
-    async def completions(self, request: Request) -> Response:
-        f = parse_fields(await self._read(request), COMPLETION_FIELDS)
-        prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
-        # max_tokens 0 (echo: prompt log-probs only) still samples a token; the engine core drops it
-        grammar = await self._grammar(f.get("response_format"), "response_format")
-        params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
-                                       num_top if echo else None, grammar)
-        prompt_ids = [await self._encode(p) for p in prompts]
-        shape = _CompletionShape(self, prompts, prompt_ids, num_top, echo, len(params))
-        return await self._respond(request, f, shape, prompt_ids, params)
-
-    async def chat(self, request: Request) -> Response:
-        f = parse_fields(await self._read(request), CHAT_FIELDS)
-        try:
-            text = self.front.chat_template.render(f["messages"], f.get("tools"),
-                                                   self.front.tool_call_format)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages")
-        # the template has written the special tokens: encode must not add its own
-        prompt_ids = await self._encode(text, add_special_tokens=False)
-        room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
-        num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
-        tool = f.get("tool_choice")     # None, "auto", "required" or a name; a call wins
-        fmt = None                      # how the calls are written, if any
-        if tool:
-            fmt = self.front.tool_call_format if tool == "auto" else "json"   # json: forced
-            lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True))
-            grammar = await self._grammar(lark, "tools")
-        else:
-            grammar = await self._grammar(f.get("response_format"), "response_format")
-        params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
-                                       num_top, grammar=grammar)
-        shape = _ChatShape(self, len(prompt_ids), num_top, fmt and TOOL_CALL_FORMATS[fmt])
-        shape.hold = fmt == "json" and bool(f["stop"])   # a stop string may cut a forced call
-        return await self._respond(request, f, shape, [prompt_ids], params)
-
-    async def _read(self, request: Request) -> dict:
-        """The JSON body, refused as soon as it is too large (before it is read whole)."""
-        data, limit = bytearray(), self.cfg.max_request_bytes
-        try:
-            async for chunk in request.stream():
-                data += chunk
-                if len(data) > limit:
-                    raise APIError(413, f"the body is larger than {limit} bytes")
-        except ClientDisconnect:              # the client left mid-body: nobody to answer
-            raise APIError(499, "the client closed the connection")
-        try:
-            # parse_constant: NaN and Infinity are Python's extension, not JSON
-            body = json.loads(data, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep
-            raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {str(model)[:100]!r} does not exist; this server "
-                                f"serves {self.model_name!r}", param="model",
-                           code="model_not_found")
-        return body
-
-    async def _grammar(self, source, field: str) -> Optional[str]:
-        """The grammar of a JSON schema or of Lark text, compiled in a thread (FrontEnd.grammar)."""
-        try:
-            lark = isinstance(source, str)       # None: no grammar ({} is one: any JSON value)
-            return None if source is None else await asyncio.to_thread(
-                self.front.grammar, source if lark else json.dumps(source), lark)
-        except ValueError as e:
-            raise APIError(400, f"'{field}': {e}", param=field)
-
-    async def _encode(self, prompt, add_special_tokens: bool = True) -> list:
-        """Token ids of a prompt; text is tokenized in a thread, off the event loop."""
-        try:
-            if isinstance(prompt, str):
-                return await asyncio.to_thread(self.front.encode, prompt, add_special_tokens)
-            return self.front.encode(prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt")
-
-    async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
-                       params: list) -> Response:
-        try:
-            for ids in prompt_ids:            # (also the params' checks: the choices differ only
-                self.front.validate(ids, params[0])   # by seed, which any int is)
-        except ValueError as e:
-            name = str(e).split()[0]  # validate's messages start with their field, if any
-            raise APIError(400, str(e), param=name if name in f else None)
-        if self.client.error:
-            raise APIError(503, self.client.error, "internal_error")
-        choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Lazy: the engine core sees nothing until the stream or body reads the first state. A
-        # stream reads it in this handler's turn of the event loop (_EventStream runs no task of
-        # its own for it); a chat body one turn later (is_disconnected, for the opening chunk)
-        chunks = shape.chunks(self.client.generate(choices), len(choices))
-        if f.get("stream"):
-            include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return _EventStream(functools.partial(shape.stream, chunks, include_usage))
-        body = await shape.body(chunks, request)
-        return Response(status_code=499) if body is None else JSONResponse(body)
-
-async def _error_response(request: Request, e: Exception) -> Response:
+async def error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
     (logged; the client gets one line). A 413 or 5xx closes the connection: a pool opens another."""
     if isinstance(e, HTTPException):   # an unknown path (the Agents SDK's /v1/responses): say why
@@ -2458,93 +2988,132 @@ async def _error_response(request: Request, e: Exception) -> Response:
     headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None
     return JSONResponse(e.body, status_code=e.status, headers=headers)
 
-def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
-    """The app over a running engine core. With cfg.api_key set, /v1/* needs it."""
-    server = OpenAIServer(client, cfg)
+# -- log-probs in each endpoint's shape (JSON has no -inf: clamped to -9999) --
+def token_text(server: OpenAIServer, token: int) -> str:
+    tokenizer = server.front.tokenizer
+    return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        threading.Thread(target=client.receive, args=(asyncio.get_running_loop(),),
-                         name="engine-core-outputs", daemon=True).start()
-        yield
+def token_logprobs(shape: _Shape, token_ids: list, logprobs: list):
+    """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
+    for token, (logprob, top) in zip(token_ids, logprobs):
+        top = list(top.items())[:shape.num_top_logprobs]     # sorted, likeliest first
+        yield (token_text(shape.server, token), max(logprob, -9999.0),
+               [(token_text(shape.server, t), max(lp, -9999.0)) for t, lp in top])
 
-    return Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={
-        kind: _error_response for kind in (APIError, HTTPException, Exception)})
+def completion_logprobs(shape: _CompletionShape, d: Delta, echo) -> Optional[dict]:
+    """The legacy shape: parallel lists, and each token's text_offset in the choice's text. With
+    echo, the prompt's tokens come first (null for the first, which nothing predicts)."""
+    if shape.num_top_logprobs is None:
+        return None
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    rows = []                                          # (text, logprob, top) per token
+    if echo:                              # the prompt's rows, the first one empty
+        first = (token_text(shape.server, echo[1][0]), None, None)
+        rows = [first, *token_logprobs(shape, echo[1][1:], d.prompt_logprobs or [])]
+    for i, (text, logprob, top) in enumerate(
+            rows + list(token_logprobs(shape, d.token_ids, d.logprobs))):
+        if echo and i == len(rows):       # the completion starts after the echoed text
+            shape.offsets[d.index] = len(echo[0])
+        offset = shape.offsets[d.index]
+        shape.offsets[d.index] = offset + len(text)
+        for key, value in zip(out, (text, logprob, top if top is None else dict(top), offset)):
+            out[key].append(value)
+    return out
 
-def serve(cfg: Config):
-    sock = socket.create_server((cfg.host, cfg.port))   # first: a port in use fails at once
-    client = EngineCoreClient(cfg)
-    print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
-          + (" (API key required)" if cfg.api_key else ""), flush=True)
-    try:   # SIGTERM drains (README), then uvicorn re-raises it: the engine core exits on EOF
-        server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
-        server.run(sockets=[sock])
-    finally:
-        client.shutdown()
+def chat_logprobs(shape: _ChatShape, d: Delta) -> Optional[dict]:
+    """The chat shape: a list of {token, logprob, bytes, top_logprobs}."""
+    if shape.num_top_logprobs is None or not d.token_ids:
+        return None
+    def entry(text, logprob):
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
+                        for text, logprob, top in token_logprobs(shape, d.token_ids, d.logprobs)]}
+
+# -- /metrics --
+class ServerMetrics:
+    """Prometheus' view: latency histograms observed in the server process, and the engine core's
+    gauges and counters from its latest stats (EngineCore.stats), read at each scrape."""
+    def __init__(self, client: EngineCoreClient):
+        self.client = client
+        self.registry = prometheus_client.CollectorRegistry()
+        self.registry.register(self)
+        self.ttft = prometheus_client.Histogram(
+            "nanoserve_time_to_first_token_seconds", "time from arrival to first token",
+            buckets=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30], registry=self.registry)
+        self.itl = prometheus_client.Histogram(
+            "nanoserve_inter_token_latency_seconds", "gap between tokens, 0 within a chunk",
+            buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10], registry=self.registry)
+
+    def observe(self, state: RequestState, now: float):
+        """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
+        num_new = len(state.token_ids) - state.num_timed_tokens
+        if num_new:
+            if state.last_token_time is None:
+                self.ttft.observe(now - state.arrival_time)
+            else:
+                self.itl.observe(now - state.last_token_time)
+            for _ in range(num_new - 1):
+                self.itl.observe(0.0)
+            state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
+
+    def collect(self):
+        """At a scrape: the engine core's gauges and counters, from its latest stats."""
+        for name, value in self.client.stats.items():   # prometheus_client adds "_total" back
+            family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+            yield family(f"nanoserve_{name.removesuffix('_total')}", name, value=value)
 
 # ---------------------------------------------------------------------------
-# CLI
-# `generate` streams one completion to the terminal; `serve` starts the HTTP server. Flags are
-# generated from the Config and SamplingParams fields, so a new setting needs no parser code.
+# Chapter: signals
+# Ctrl-C sends SIGINT to every process of the terminal's group: the server or the LLM's process,
+# the engine core, and the tensor-parallel workers alike. Only the parent acts on it. It stops its
+# children by closing their pipes, which they read as EOF. Two helpers keep that true at every
+# moment of start-up. A child is born with SIGINT blocked (sigint_held), so that one still
+# importing torch prints no traceback. Its first step (follow_parent) ignores SIGINT and SIGTERM
+# and watches its parent, so that a parent that dies first, however it went, ends it at once.
+# Seams: EngineCoreClient (sigint_held) and run_engine_core (follow_parent); the tensor-parallel
+# workers use both alike.
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
-    for f in dataclasses.fields(cls):
-        if not f.init or "help" not in f.metadata or f.name in skip:
-            continue
-        name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        if f.type == "bool":            # a flag that is on by default turns it off
-            action = "store_false" if f.default else "store_true"
-            parser.add_argument(name, dest=f.name, action=action,
-                                help=("do not " if f.default else "") + f.metadata["help"])
-        elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
-            parser.add_argument(name, dest=f.name, action="append", help=f.metadata["help"])
-        else:                            # int, float or str, Optional or not
-            kind = float if "float" in f.type else int if "int" in f.type else str
-            parser.add_argument(name, dest=f.name, type=kind, default=f.default,
-                                help=f.metadata["help"])
-
-def from_flags(cls, args: argparse.Namespace):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if f.init and hasattr(args, f.name)})
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve.py", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="stream one completion to the terminal")
-    gen.add_argument("prompt", help="the prompt text")
-    add_dataclass_flags(gen, Config, skip=("host", "port", "api_key", "max_request_bytes"))
-    add_dataclass_flags(gen, SamplingParams)
-    gen.set_defaults(max_tokens=128)                      # a terminal wants more than the API's 16
-    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_dataclass_flags(srv, Config)
-    return parser
-
-def run_generate(cfg: Config, prompt: str, params: SamplingParams):
-    llm = LLM(cfg)
-    state = llm.add(llm.front.encode(prompt), params, incremental=True)
-    for _ in llm.run():
-        print(state.take_delta().text, end="", flush=True)
-    print()
-
-def ensure_default_model(model: str):
-    """The default model is made on first use (download.py converts it)."""
-    if model == DEFAULT_MODEL and not Path(model, "config.json").is_file():
-        import download
-        download.download()
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+@contextlib.contextmanager
+def sigint_held():
+    """Around spawning a process that leaves Ctrl-C to its parent: the engine core (its
+    server stops it), the tensor-parallel workers (rank 0 stops them). Each child calls
+    follow_parent first. Ctrl-C (SIGINT) reaches every process of the terminal's group,
+    a child still importing torch too, where it would print a traceback. So the child is born
+    with SIGINT blocked, and a blocked signal waits. One that comes to this process meanwhile is
+    held, then raised again once the child is spawned, to the handler that was there: a
+    KeyboardInterrupt, or nothing in the engine core, which ignores it.
+    multiprocessing's resource tracker unblocks SIGINT once it has started, so it starts first."""
+    multiprocessing.resource_tracker.ensure_running()
+    main = threading.current_thread() is threading.main_thread()   # where signals are set
+    held, sigint = [], signal.getsignal(signal.SIGINT) if main else None   # None: not Python's
+    if sigint is not None:
+        signal.signal(signal.SIGINT, lambda *_: held.append(1))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        ensure_default_model(args.model)
-        cfg = from_flags(Config, args)
-        if args.command == "generate":
-            run_generate(cfg, args.prompt, from_flags(SamplingParams, args))
-        else:
-            serve(cfg)
-    except (ValueError, OSError) as e:        # bad input: one line, no traceback
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if sigint is not None:
+            signal.signal(signal.SIGINT, sigint)
+    if held:
+        signal.raise_signal(signal.SIGINT)
+
+def follow_parent():
+    """First in a process spawned under sigint_held (the engine core, a tensor-parallel
+    worker), whose parent stops it by closing its pipe. SIGINT and SIGTERM are the parent's to
+    act on, so they are ignored here (a blocked one that waits is dropped with them). A parent
+    that dies first, however it went (Ctrl-C while this child starts, SIGKILL), ends this
+    process at once, by _exit_with: no one would read its pipe again, and on a GPU a collective
+    waiting for a dead rank 0 never returns."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process().sentinel,),
+                     name="nanoserve-parent-watch", daemon=True).start()
+
+def _exit_with(sentinel):
+    multiprocessing.connection.wait([sentinel])    # readable once the parent has exited
+    os._exit(1)
 
 if __name__ == "__main__":
     main()

@@ -25,14 +25,14 @@ owns in order. This file holds the kernels that touch that pool:
     cuda_graph_sizes, graph_key
                              which CUDA graphs are captured, and which one
                              replays a step
-    GrammarMasks             grammar masks filled on the host's cores, off
-                             the step loop, for apply_token_mask to apply in
-                             place in one launch
-    shard, row_parallel_linear, TensorParallelWorkers
-                             tensor parallelism: a rank's cut of each weight,
-                             the all-reduce after o and down, the ranks'
-                             processes (nanoserve tells the design)
-    NgramIndex               speculative decoding's drafts by prompt lookup
+    apply_token_mask         a grammar's mask applied to the logits in place,
+                             in one launch (nanoserve's structured-output
+                             chapter fills the masks)
+    shard, row_parallel_linear
+                             tensor parallelism's primitives: a rank's cut of
+                             each weight, and the all-reduce after o and down
+                             (nanoserve's tensor-parallelism chapter runs the
+                             ranks)
 
 and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
 SiLU-and-mul to its input and adds the residual to its output.
@@ -67,19 +67,8 @@ Dimension letters, used in every shape comment:
 """
 
 import bisect
-import concurrent.futures
-import contextlib
 import functools
-import multiprocessing
-import multiprocessing.connection
-import multiprocessing.resource_tracker
-import multiprocessing.util
 import os
-import signal
-import sys
-import threading
-import time
-import weakref
 
 import numpy as np
 import torch
@@ -100,7 +89,7 @@ import triton.language as tl
 # `logit_edit_entries` (sparse edits, not a dense bias tensor) and
 # `apply_top_k_top_p` (a sort, then two cuts of the sorted row); the model
 # runner `to_device`, `put`, `cuda_graph_sizes` and `set_cpu_threads` (in the
-# CPU path's section); the scheduler `NgramIndex`; and each Attention layer one
+# CPU path's section); and each Attention layer one
 # (rope_store, attend) pair of ATTENTION: rope_store rotates q in place and
 # writes the rotated k and v into the pool, attend reads the pool through the
 # step's AttentionMetadata (as decode when every sequence brings one token).
@@ -217,10 +206,9 @@ def norm(x, weight, eps):                                   # (N_tok, D)
 
 def linear(x, weight, norm=None, silu_mul=False, residual=None,
            all_reduce=False):                             # (N_tok, K) -> (N_tok, N)
-    """residual + f(x) @ weight.T, f being the RMSNorm module `norm`, SiLU-and-mul
-    (x = [gate, up]) or nothing, and residual optional: every matmul of a layer.
-    all_reduce: a row-parallel matmul, summed over the tensor-parallel ranks
-    (row_parallel_linear, in the tensor parallelism section).
+    """residual + f(x) @ weight.T (gemv_ref), f being the RMSNorm module `norm`,
+    SiLU-and-mul (x = [gate, up]) or nothing, and residual optional: every
+    matmul of a layer.
 
     Prologue/epilogue fusion: at batch-1 decode on the GPU (GEMV_MAX_ROWS) a
     matmul is one read of the weight, and a norm, activation or add of its own
@@ -232,28 +220,22 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None,
     `norm` function above; GEMV_MAX_ROWS is 1, for the reason the GEMV's
     section gives.)
 
-    fp8 weights (quantize_fp8: e4m3 with a `scale` per output row) halve the
-    bytes a decode step reads. Batch 1 takes the same GEMV, which widens each
-    weight to fp32 as it streams in. Larger batches on the GPU take the fp8
-    tensor cores (torch._scaled_mm): x is quantized too, one scale per token
-    (per row), in one launch that also applies f (quantize_rows), and
-    _scaled_mm multiplies by both scales on its way out. The CPU, and dtypes
-    other than bf16, compute with the weights widened (linear_fp8_ref)."""
-    if all_reduce and tensor_parallel_size() > 1:
+    Two of nanoserve's chapters enter here, one line each. `all_reduce` marks
+    a row-parallel matmul, summed over the tensor-parallel ranks
+    (row_parallel_linear). An fp8 weight carries its scales (quantize_fp8):
+    the GEMV reads it as it is, and a larger batch takes linear_fp8."""
+    if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
         return row_parallel_linear(x, weight, norm, silu_mul, residual)
     norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-    scale = weight.scale if weight.dtype == FP8 else None   # (N,) fp32, fp8 weights only
+    scale = weight.scale if weight.dtype == FP8 else None     # fp8 weights: (N,) fp32
     if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
-    if scale is not None and x.is_cuda and x.dtype == torch.bfloat16:
-        xq, x_scale = quantize_rows(x, norm_weight, eps, silu_mul)   # (N_tok, K) e4m3, (N_tok, 1)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale[None],
-                             out_dtype=x.dtype)                      # (N_tok, N)
-        return y if residual is None else residual + y
+    if scale is not None:                                     # fp8 weights
+        return linear_fp8(x, weight, norm_weight, eps, silu_mul, residual)
     if silu_mul:
         x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
     x = x if norm is None else norm(x)
-    y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)  # (N_tok, N)
+    y = F.linear(x, weight)                                   # (N_tok, N)
     return y if residual is None else residual + y
 
 
@@ -363,31 +345,6 @@ def graph_key(graph_sizes, is_decode, num_tokens):
     sizes = graph_sizes[is_decode]
     i = bisect.bisect_left(sizes, num_tokens)
     return (is_decode, sizes[i]) if i < len(sizes) else None
-
-
-class NgramIndex:
-    """Speculative decoding's drafts (nanoserve's num_accepted tells the mechanism).
-    propose(token_ids, k): the up to k tokens that followed the latest earlier occurrence of
-    the last n tokens, n from NGRAM_MAX down to NGRAM_MIN. With k = 3, in [5, 7, 9, 2, 5, 7]
-    the last 3 tokens occurred nowhere before; the last 2 (5, 7) end at position 2, so the
-    draft is [9, 2, 5]. Each position is entered once, when the token after it arrives: a
-    step costs a few dict operations, not a scan of the context."""
-    NGRAM_MIN, NGRAM_MAX = 2, 3   # n-gram lengths matched, the longest tried first
-
-    def __init__(self):
-        self.ends = {}          # n-gram (a tuple) -> the position just past its latest occurrence
-        self.num_indexed = 1    # positions below this are entered
-
-    def propose(self, token_ids, k):
-        for end in range(self.num_indexed, len(token_ids)):   # each has a token after it
-            for n in range(self.NGRAM_MIN, min(self.NGRAM_MAX, end) + 1):
-                self.ends[tuple(token_ids[end - n:end])] = end
-        self.num_indexed = len(token_ids)
-        for n in range(min(self.NGRAM_MAX, len(token_ids)), self.NGRAM_MIN - 1, -1):
-            end = self.ends.get(tuple(token_ids[-n:]))
-            if end is not None:
-                return token_ids[end:end + k]
-        return []
 
 
 # ----------------------------------------------------------------------------
@@ -1319,6 +1276,24 @@ def quantize_rows(x, norm_weight=None, eps=0.0, silu_mul=False):  # (M, K) -> (M
     return q, scale
 
 
+
+def linear_fp8(x, weight, norm_weight, eps, silu_mul, residual):  # (N_tok, K) -> (N_tok, N)
+    """linear for an fp8 weight past batch 1 (GEMV_MAX_ROWS). On the GPU in bf16 it takes the
+    fp8 tensor cores (torch._scaled_mm): x is quantized too, one scale per token (per row), in
+    one launch that also applies f (quantize_rows), and _scaled_mm multiplies by both scales on
+    its way out. The CPU, and dtypes other than bf16, compute with the weights widened
+    (linear_fp8_ref): correct, and slower than the model's own dtype."""
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        xq, x_scale = quantize_rows(x, norm_weight, eps, silu_mul)   # (N_tok, K) e4m3, (N_tok, 1)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight.scale[None],
+                             out_dtype=x.dtype)                      # (N_tok, N)
+    else:
+        if silu_mul:
+            x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
+        x = x if norm_weight is None else norm(x, norm_weight, eps)
+        y = linear_fp8_ref(x, weight, weight.scale)                     # (N_tok, N)
+    return y if residual is None else residual + y
+
 # ----------------------------------------------------------------------------
 # RoPE fused into the KV store
 # Rotary embeddings touch q and k once, just before k is written to the pool:
@@ -1545,74 +1520,11 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
 # ----------------------------------------------------------------------------
 # Grammar masks
 # A row under a grammar (structured output, tool calls) may only sample what its
-# llguidance matcher allows next. Each step the host fills one bitmask row per
-# constrained row (bit j of int32 word i allows token 32 i + j: V / 8 bytes),
-# on every core at once, and the device sets the forbidden logits to -inf in
-# place: one launch that reads the bits where they are, never unpacking them
-# into a (R, V) tensor nor copying whole logit rows. After the step is read
-# back, the matchers follow the sampled tokens, again all rows at once.
-
-
-class GrammarMasks:
-    """The host half: each request's matcher, its masks filled on every core but one (the step
-    loop keeps its own; 16 at most), the sampled tokens followed. Copies of one matcher share
-    its lexer, so their masks fill one at a time (on a 16-core H100 host, 214 us per row over
-    15 threads against 29 for matchers built apart), so requests are dealt round families, one
-    per fill thread: request n's matcher copies its grammar's matcher built for family
-    n % num_threads (a grammar is built once per family, on first use).
-    One pinned bitmask buffer, sized for a full step, is reused every step: the engine reads a
-    step back (a sync past its bitmask copy) before it fills the next one. The buffer (16 MB at
-    1,024 seats and a 128k vocabulary) and the pool's threads are made when a grammar first
-    comes, so an engine that serves none pays for neither."""
-
-    def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
-        import llguidance.numpy                       # only where grammars are served
-        self.llg = llguidance
-        self.num_threads = min(16, max(1, (os.cpu_count() or 2) - 1))
-        self.executor = functools.cache(lambda: llguidance.LLExecutor(self.num_threads))
-        self.tokenizer = functools.cache(lambda: llguidance.LLTokenizer(   # built on first use
-            tokenizer_path, n_vocab=vocab_size, eos_token=eos_token_ids))
-        self.built = functools.lru_cache(maxsize=64 * self.num_threads)(   # the 64 latest grammars
-            lambda grammar, family: llguidance.LLMatcher(self.tokenizer(), grammar))
-        self.num_matchers = 0
-        self.bitmask = functools.cache(lambda: torch.empty(   # (max_rows, cdiv(V, 32))
-            max_rows, triton.cdiv(vocab_size, 32), dtype=torch.int32, pin_memory=pin))
-        self.thread = concurrent.futures.ThreadPoolExecutor(1)   # waits on the pool for fill_async
-        self.compiler = concurrent.futures.ThreadPoolExecutor(1)  # builds matchers, off the loop
-
-    def start_matcher(self, grammar):
-        """A Future of new_matcher(grammar), built on the compile thread, never on the step loop."""
-        return self.compiler.submit(self.new_matcher, grammar)
-
-    def new_matcher(self, grammar):
-        """A request's own matcher: a copy of its grammar's, built once per grammar and family."""
-        family, self.num_matchers = self.num_matchers % self.num_threads, self.num_matchers + 1
-        return self.built(grammar, family).deep_copy()
-
-    def fill_async(self, matchers, rows, device):
-        """fill on a thread of its own, then both copies queued: a Future of (rows, bitmask) on
-        the device, apply_token_mask's arguments (the default stream: the sampler's, after)."""
-        def fill_and_copy():
-            bitmask = self.fill(matchers).to(device, non_blocking=True)
-            rows_host = torch.tensor(rows, dtype=torch.int64)
-            return rows_host.pin_memory().to(device, non_blocking=True) if bitmask.is_cuda \
-                else rows_host, bitmask
-        return self.thread.submit(fill_and_copy)
-
-    def fill(self, matchers):
-        """The bitmasks of what each matcher allows next, (R, cdiv(V, 32)) int32 rows of the
-        pinned buffer; llguidance drops the GIL and splits the rows over its threads."""
-        bitmask = self.bitmask()[:len(matchers)]
-        self.llg.numpy.fill_next_token_bitmask_par(
-            self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
-        return bitmask
-
-    def consume(self, pairs):
-        """Each (matcher, sampled token) pair's matcher takes its token, in parallel (a rejected
-        one leaves its matcher in the error state, as consume_token does)."""
-        if pairs:
-            self.executor().consume_token_par(pairs)
-
+# llguidance matcher allows next. The host fills one bitmask row per
+# constrained row (bit j of int32 word i allows token 32 i + j: V / 8 bytes);
+# nanoserve's structured-output chapter does that. Here the device sets the
+# forbidden logits to -inf in place: one launch that reads the bits where they
+# are, never unpacking them into a (R, V) tensor nor copying whole logit rows.
 
 @triton.jit
 def _apply_token_mask_kernel(
@@ -1655,12 +1567,12 @@ def apply_token_mask_triton(logits, rows, bitmask, BLOCK_WORDS=32):
 
 
 # ----------------------------------------------------------------------------
-# Tensor parallelism: the shard rule, the row-parallel all-reduce, the ranks
-# nanoserve's "Engine core process" section tells the design (what is split,
-# where the sums are, why rank 0 alone samples); here is how each piece runs.
-# The ranks form torch.distributed's default process group (NCCL between GPUs,
-# gloo between CPU processes), and a rank is its rank there: one
-# tensor-parallel engine per process.
+# Tensor parallelism: the shard rule and the row-parallel all-reduce
+# nanoserve's tensor-parallelism chapter tells the design (what is split, where
+# the sums are, why rank 0 alone samples) and runs the ranks; here are the
+# primitives a layer calls. The ranks form torch.distributed's default process
+# group (NCCL between GPUs, gloo between CPU processes), and a rank is its rank
+# there: one tensor-parallel engine per process.
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows cut
 ROW_PARALLEL = ("o_proj", "down_proj")                                     # input columns cut
@@ -1717,272 +1629,6 @@ def min_over_ranks(n, device):
     t = torch.tensor([n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
-
-
-@contextlib.contextmanager
-def sigint_held():
-    """Around spawning a process that leaves Ctrl-C to its parent: nanoserve's engine core (its
-    server stops it), the tensor-parallel workers (rank 0 stops them). Each child calls
-    follow_parent first. Ctrl-C (SIGINT) reaches every process of the terminal's group,
-    a child still importing torch too, where it would print a traceback. So the child is born
-    with SIGINT blocked, and a blocked signal waits. One that comes to this process meanwhile is
-    held, then raised again once the child is spawned, to the handler that was there: a
-    KeyboardInterrupt, or nothing in the engine core, which ignores it.
-    multiprocessing's resource tracker unblocks SIGINT once it has started, so it starts first."""
-    multiprocessing.resource_tracker.ensure_running()
-    main = threading.current_thread() is threading.main_thread()   # where signals are set
-    held, sigint = [], signal.getsignal(signal.SIGINT) if main else None   # None: not Python's
-    if sigint is not None:
-        signal.signal(signal.SIGINT, lambda *_: held.append(1))
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        if sigint is not None:
-            signal.signal(signal.SIGINT, sigint)
-    if held:
-        signal.raise_signal(signal.SIGINT)
-
-
-def follow_parent():
-    """First in a process spawned under sigint_held (nanoserve's engine core, a tensor-parallel
-    worker), whose parent stops it by closing its pipe. SIGINT and SIGTERM are the parent's to
-    act on, so they are ignored here (a blocked one that waits is dropped with them). A parent
-    that dies first, however it went (Ctrl-C while this child starts, SIGKILL), ends this
-    process at once, by _exit_with: no one would read its pipe again, and on a GPU a collective
-    waiting for a dead rank 0 never returns."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process().sentinel,),
-                     name="nanoserve-parent-watch", daemon=True).start()
-
-
-def _exit_with(sentinel):
-    multiprocessing.connection.wait([sentinel])    # readable once the parent has exited
-    os._exit(1)
-
-
-def start_workers(cfg, make_runner):
-    """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
-    that builds make_runner(cfg) (nanoserve's ModelRunner) and follows rank 0's steps
-    (_follow_steps), and join them in one process group. Returns their
-    TensorParallelWorkers; None at size 1, or on a worker (in the group already).
-    One engine per process uses the group: another is refused while it is open (on GPUs,
-    for good: _close_workers)."""
-    n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
-    if n < 1 or cfg.num_kv_heads % n or cfg.intermediate_size % n:
-        raise ValueError(f"tensor_parallel_size {n} must divide the model's {cfg.num_heads} "
-                         f"query heads, {cfg.num_kv_heads} KV heads and MLP size "
-                         f"{cfg.intermediate_size}")
-    if dist.is_initialized() and dist.get_rank() > 0:
-        return None
-    if dist.is_initialized():
-        raise ValueError("a tensor-parallel engine is still open in this process (close it "
-                         "first: LLM.close()), or ran on GPUs here, where its NCCL group "
-                         "outlives it (start the next engine in a new process)")
-    if n > 1 and getattr(multiprocessing.current_process(), "_inheriting", False):
-        sys.exit(f"error: tensor_parallel_size {n} from a script needs the script's LLM(...) "
-                 "under `if __name__ == \"__main__\":`, since each worker imports the script")
-    return TensorParallelWorkers(cfg, make_runner) if n > 1 else None
-
-
-@contextlib.contextmanager
-def stopped_on_error(workers):
-    """Around rank 0's start-up after start_workers: if it raises (a bad setting that
-    every rank meets alike, Ctrl-C), the workers are stopped before the error goes on,
-    so that a caller who catches it keeps a clean process."""
-    try:
-        yield
-    except BaseException:
-        stop_workers(workers)
-        raise
-
-
-def stop_workers(workers):
-    """TensorParallelWorkers.close, where there are workers (nanoserve's LLM.close)."""
-    if workers is not None:
-        workers.close()
-
-
-def exit_on_worker_death(workers):
-    """Where rank 0 is a process of its own behind a server (nanoserve's engine core):
-    a worker's death ends it, as its own would (TensorParallelWorkers)."""
-    if workers is not None:
-        workers.exit_on_death = True
-
-
-def exit_on_failed_step(workers):
-    """In nanoserve's engine core process, after a step that raised on rank 0: the workers
-    may be inside it still, in all-reduces rank 0 will never join, so the ranks are out of
-    step for good. The process ends as at a worker's death (close stops the workers)."""
-    if workers is not None:
-        sys.exit(1)
-
-
-def send_step(workers, plan):
-    """Rank 0's step plan to every worker, once all have started (start_steps)."""
-    if workers is not None and workers.started:
-        workers.send(plan)
-
-
-def start_steps(workers):
-    """From now on rank 0 sends its steps: the steps before were start-up's (profiling,
-    CUDA-graph warm-ups and captures), which every rank runs by itself, alike."""
-    if workers is not None:
-        workers.started = True
-
-
-def _backend(device):
-    return "nccl" if str(device).startswith("cuda") else "gloo"
-
-
-def _init_group(device, rank, size, port, store=None):
-    device_id = torch.device("cuda", rank) if _backend(device) == "nccl" else None
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0)
-        store.add("joined", 1)         # rank 0 waits for every other rank (TensorParallelWorkers)
-    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
-                            device_id=device_id)
-
-
-class TensorParallelWorkers:
-    """Rank 0's end of the other ranks: a pipe to each (send), a watchdog on their lives, close.
-
-    Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe
-    from rank 0 reads EOF: rank 0 gone, however it went (closed, killed), so no
-    worker outlives it. A worker that dies is seen at once by the watchdog thread,
-    which waits on the processes' sentinels. Rank 0 then exits too (exit_on_death)
-    in nanoserve's engine core process (exit_on_worker_death), whose server then
-    fails the requests as for any engine-core death; on the GPU, where a collective
-    waiting for a dead rank never returns; and during start-up, which may be waiting
-    for the dead rank to join the group. Else (LLM on the CPU) the step in flight
-    raises instead (gloo reports the peer gone), and so does every later send.
-
-    close (_close_workers) runs once: at LLM.close, when the workers are collected
-    with their LLM, when start-up fails (stopped_on_error), and at exit, before
-    multiprocessing waits for its children. Neither it nor the watchdog holds self,
-    so an LLM dropped without close is still collected, and closed."""
-
-    def __init__(self, cfg, make_runner):
-        n, backend = cfg.tensor_parallel_size, _backend(cfg.device)
-        if backend == "nccl" and torch.cuda.device_count() < n:
-            raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, "
-                             f"found {torch.cuda.device_count()}")
-        # nanoserve's engine core process is a daemon (it ends with its server), and
-        # multiprocessing lets no daemon start a process: its workers end with it by
-        # their pipes' EOF instead, so the flag can go.
-        multiprocessing.current_process().daemon = False
-        # The group's rendezvous, on a free port. Held here, it outlives a start-up broken off
-        # (Ctrl-C), so that the workers it leaves waiting there go quietly, by close.
-        self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
-        ctx = multiprocessing.get_context("spawn")
-        self.pipes, self.procs, self.closed = [], [], threading.Event()
-        self.error, self.started = "", False
-        self.exit_on_death = backend == "nccl"
-        self.close = multiprocessing.util.Finalize(
-            self, _close_workers, (self.pipes, self.procs, self.closed), exitpriority=100)
-        with sigint_held():            # Ctrl-C stops rank 0 alone, and the workers by close
-            for rank in range(1, n):
-                reader, writer = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, name=f"nanoserve-tp-rank-{rank}",
-                                   args=(make_runner, cfg, rank, self.store.port, reader),
-                                   daemon=True)
-                proc.start()
-                reader.close()         # the worker's end, closed here: a dead worker's pipe breaks
-                self.pipes.append(writer)
-                self.procs.append(proc)
-        sentinels = [p.sentinel for p in self.procs]
-        threading.Thread(target=_watch, args=(weakref.ref(self), sentinels, self.closed),
-                         name="nanoserve-tp-watchdog", daemon=True).start()
-        while self.store.add("joined", 0) < n - 1:    # a wait in Python, which Ctrl-C can stop
-            time.sleep(0.05)
-        _init_group(cfg.device, 0, n, self.store.port, self.store)
-
-    def send(self, plan):
-        if self.closed.is_set():
-            raise RuntimeError("this tensor-parallel engine is closed (LLM.close())")
-        if self.error:
-            raise RuntimeError(self.error)
-        for pipe in self.pipes:
-            pipe.send(plan)
-
-
-def _close_workers(pipes, procs, closed):
-    """Each worker reads EOF and exits; one still inside a step that rank 0 left (a
-    failed step, Ctrl-C) waits in a collective for good, so it is killed after 1 s.
-    Then a gloo group goes, so another engine may start. An NCCL group stays: destroying
-    it is a collective that waits for every rank, and with the workers gone it would never
-    return. So on GPUs the next engine needs a new process (start_workers)."""
-    closed.set()                       # for the watchdog: from now on a death is no fault
-    for pipe in pipes:
-        pipe.close()
-    deadline = time.monotonic() + 1
-    for proc in procs:
-        proc.join(max(0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()
-
-
-def _watch(ref, sentinels, closed):
-    """The watchdog thread (TensorParallelWorkers). It holds the workers by a weak reference
-    only, so that they can be collected while it waits."""
-    dead = multiprocessing.connection.wait(sentinels)
-    workers = ref()
-    if workers is None or closed.is_set():
-        return
-    proc = next(p for p in workers.procs if p.sentinel in dead)
-    proc.join(1)
-    workers.error = f"the tensor-parallel worker {proc.name} exited (exit code {proc.exitcode})"
-    print(f"error: {workers.error}", file=sys.stderr, flush=True)
-    if workers.exit_on_death or not workers.started:
-        os._exit(1)
-
-
-def _follow_steps(runner, pipe):
-    """A worker's main loop, once its runner has run the same start-up as rank 0's
-    (loading, the KV pool's size, CUDA graphs): each step rank 0 sends (put_step's
-    arguments) through this rank's shard of the model, until the pipe closes. Its
-    output is dropped: the all-reduces have given rank 0 the same hidden states."""
-    with torch.no_grad():
-        while True:
-            try:
-                plan = pipe.recv()
-            except EOFError:              # rank 0 is gone, however it went
-                return
-            inputs = runner.put_step(*plan)   # (input_ids, positions, meta)
-            graph = runner.graphs.get(plan[1])    # the graph of the size rank 0 replays
-            if graph is not None:
-                graph[0].replay()
-            else:
-                runner.model(*inputs)
-
-
-def _worker_main(make_runner, cfg, rank, port, pipe):
-    """A worker process: its signals, its GPU, its place in the group, then rank 0's
-    start-up and steps; once the pipe closes (rank 0 is gone), out at once: no
-    teardown waits on a dead peer."""
-    follow_parent()                # what stops rank 0 (the server, Ctrl-C) stops us by EOF
-    if _backend(cfg.device) == "nccl":
-        cfg.device = f"cuda:{rank}"
-        torch.cuda.set_device(rank)
-    try:
-        _init_group(cfg.device, rank, cfg.tensor_parallel_size, port)
-        runner = make_runner(cfg)
-    except Exception:
-        # A bad setting meets rank 0 too, which raises it to its caller and closes our pipe,
-        # as it does when stopped during start-up (Ctrl-C): then the error is rank 0's to tell.
-        if pipe.poll(5):
-            os._exit(1)
-        raise
-    _follow_steps(runner, pipe)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # ----------------------------------------------------------------------------

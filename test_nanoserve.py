@@ -454,7 +454,7 @@ def test_prefix_cache_evicts_in_a_small_pool():
 
 
 # ---------------------------------------------------------------------------
-# Speculative decoding (nanoserve.num_accepted)
+# Speculative decoding (nanoserve.py's chapter)
 
 COPY_PROMPTS = ["Copy this line twice: the red fox ran over the hill to the old mill by the river."
                 "\nthe red fox ran over the hill", "def area(width, height):\n    return width * "
@@ -550,7 +550,7 @@ def test_any_drafts_keep_fp32_greedy(tiny, device, eager, monkeypatch):
         whole = next(w for p, w in wanted.items() if tuple(token_ids[:len(p)]) == p)
         n = len(token_ids)
         return [t if (n + i) % 3 else (t + 1) % 512 for i, t in enumerate(whole[n:n + k])]
-    monkeypatch.setattr(pa.NgramIndex, "propose", oracle)
+    monkeypatch.setattr(ns.NgramIndex, "propose", oracle)
     spec = ns.LLM(path, num_speculative_tokens=4, **settings)
     assert [o.token_ids for o in spec.generate(prompts, params)] == ref
     assert [spec.generate([p], params)[0].token_ids for p in prompts] == ref
@@ -2222,7 +2222,7 @@ PARSER_CASES = {   # format: [(the model's text, finish_reason, content, [(name,
 
 def parse_stream(fmt, pieces, finish):
     """A chat answer in fmt, its text sent in pieces: (the chunks, the chunks folded into one)."""
-    shape = ns._ChatShape(None, 0, None, ns.TOOL_CALL_FORMATS[fmt])
+    shape = ns._ToolCallShape(None, 0, None, ns.TOOL_CALL_FORMATS[fmt])
     delta = lambda text, finish=None: ns.Delta(0, text, [1] if text else [], [], finish, None)
     chunks = shape.opening(0) + [shape.choice(delta(p)) for p in pieces]
     chunks.append(shape.last(types.SimpleNamespace(text="".join(pieces)), delta("", finish)))
@@ -2412,7 +2412,7 @@ def test_tokenizer_larger_than_the_vocab_is_a_400(server, engine, monkeypatch):
 
 
 def test_grammar_masks_match_one_matcher_at_a_time():
-    """pa.GrammarMasks fills on its thread pool exactly the bitmasks each matcher computes alone,
+    """GrammarMasks fills on its thread pool exactly the bitmasks each matcher computes alone,
     into rows of its reused buffer, and its parallel consume moves each matcher as consume_token
     does (a rejected token: the error state). Matchers at different points of one JSON schema;
     then the matchers it builds for requests, each a fresh one."""
@@ -2426,7 +2426,7 @@ def test_grammar_masks_match_one_matcher_at_a_time():
         for m, text in zip(out, texts):
             assert m.consume_tokens(tokenizer.tokenize_str(text)) if text else True
         return out
-    masks = pa.GrammarMasks(os.path.join(SMOL_DIR, "tokenizer.json"), [2], len(texts) + 2, V,
+    masks = ns.GrammarMasks(os.path.join(SMOL_DIR, "tokenizer.json"), [2], len(texts) + 2, V,
                             pin=False)
     for _ in range(2):                                  # the buffer reused: no stale bits
         rows, bitmask = masks.fill_async(matchers(), [3, 0, 2, 1], "cpu").result()
@@ -2711,7 +2711,7 @@ def _sharded_layer_rank(rank, port):
     outputs = {}
     for tp in (1, TP):
         if tp > 1:
-            pa._init_group("cpu", rank, tp, port)
+            ns._init_group("cpu", rank, tp, port)
         cfg = Config(model=DEFAULT_MODEL, device="cpu", num_blocks=64, tensor_parallel_size=tp)
         model = ns.build_model(cfg)
         attn = model.layers[0].attn
@@ -3173,7 +3173,7 @@ def _fp8_sharded_rank(rank, port):
     outputs = {}
     for tp in (1, TP):
         if tp > 1:
-            pa._init_group("cpu", rank, tp, port)
+            ns._init_group("cpu", rank, tp, port)
         cfg = Config(model=DEFAULT_MODEL, device="cpu", num_blocks=64, tensor_parallel_size=tp,
                      quantization="fp8")
         model = ns.build_model(cfg)
