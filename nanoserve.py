@@ -69,10 +69,11 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-
 
 # ---------------------------------------------------------------------------
 # Config
-# One dataclass holds every setting: the engine's from the caller (each a CLI flag), the
-# architecture's from config.json (__post_init__), so a Config is always complete and checked.
-# The help strings' words, each told whole in its section: KV pool (every sequence's keys and
-# values, in blocks), step (one forward pass) and its token budget, seats, CUDA graphs (replays).
+# One dataclass holds every setting. The engine's come from the caller, and each is a CLI flag.
+# The architecture's come from config.json (__post_init__). So a Config is always complete and
+# checked. The help strings use four words that later sections tell whole. The KV pool holds every
+# sequence's keys and values, in blocks. A step is one forward pass, and its token budget caps
+# its tokens. The seats are the sequences that may run at once. A CUDA graph replays a step.
 
 def _flag(default, help: str, flag: Optional[str] = None):
     """A Config or SamplingParams field that is also a CLI flag: the CLI section makes
@@ -154,7 +155,8 @@ class Config:
         self.num_kv_heads = c.get("num_key_value_heads") or self.num_heads
         self.head_dim = c.get("head_dim") or self.hidden_size // self.num_heads
         self.rms_norm_eps = c.get("rms_norm_eps", 1e-5)
-        # transformers >= 5: "rope_parameters"; older (Llama-3.2): "rope_theta" and "rope_scaling"
+        # transformers 5 writes "rope_parameters". Older configs (Llama-3.2's) write
+        # "rope_theta" and "rope_scaling".
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         self.rope_theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -192,8 +194,9 @@ class Config:
 
 # ---------------------------------------------------------------------------
 # Loader
-# Checkpoints use Hugging Face names; the engine's drop "model." and say "attn" for "self_attn", but
-# it fuses q/k/v into one matmul and gate/up into another: those tensors land in row slices of it.
+# Checkpoints use Hugging Face names. The engine's names drop "model." and say "attn" for
+# "self_attn". The engine also fuses q, k and v into one matmul, and gate and up into another, so
+# those tensors land in row slices of the fused weight.
 
 def engine_name(key: str, cfg: Config) -> tuple[str, slice]:
     """Where a checkpoint tensor lands: (engine parameter, row slice of it)."""
@@ -248,10 +251,11 @@ def load_weights(model: nn.Module, cfg: Config):
 # Layers
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
-# live only in AttentionMetadata. Each pa.* call is read by its contract, a torch reference in
-# paged_attention.py's first section (pa.norm: rms_norm_ref, pa.linear: gemv_ref). Attention and
-# MLP take their block's norm and residual because pa.linear applies a norm to a matmul's input and
-# adds a residual to its output: at batch 1 on the GPU, in the one kernel that reads the weight.
+# live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
+# paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). Attention
+# and MLP take their block's norm and residual, because pa.linear applies a norm to a matmul's
+# input and adds a residual to its output. At batch 1 on the GPU it does both in the one kernel
+# that reads the weight.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -293,10 +297,10 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class AttentionMetadata:
-    """Where a step's sequences live in the flat batch and KV pool; ModelRunner.prepare fills it.
-    A sequence's block_table: the pool blocks that hold its KV, in order (block_tables: one a row).
-    slot_mapping: for each new token, the pool slot its K/V is written to (block_id * block_size
-    + offset); -1 marks a padding token."""
+    """Where a step's sequences live in the flat batch and in the KV pool. ModelRunner.prepare
+    fills it. A sequence's block_table lists the pool blocks that hold its KV, in order, and
+    block_tables holds one a row. slot_mapping gives each new token the pool slot its K/V is
+    written to, block_id * block_size + offset. A slot of -1 marks a padding token."""
     slot_mapping: torch.Tensor        # (N_tok,) int64
     block_tables: torch.Tensor        # (B, max_blocks) int32
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
@@ -364,8 +368,8 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------
 # Model
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
-# every token; compute_logits() applies the final norm and the LM head only to the rows sampled
-# (each sequence's last token; prompt rows too for prompt log-probs), through pa.linear.
+# every token. compute_logits() applies the final norm and the LM head, through pa.linear, only to
+# the rows that sample: each sequence's last token.
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -455,14 +459,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
     tokens = pa.argmax_rows(logits)                        # (B,), the greedy choice
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
-        scaled = logits / torch.where(t > 0, t, 1.0)     # greedy rows: any divisor; replaced below
+        scaled = logits / torch.where(t > 0, t, 1.0)     # a greedy row's draw is replaced below
         if batch.needs_top_k_top_p:
             scaled = pa.apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
         probs = scaled.softmax(dim=-1)                     # (B, V)
-        # Exponential race ("sample without a CUDA sync"): draw E_i ~ Exp(1) per token; token i
-        # wins when E_i / p_i is the smallest, which happens with probability exactly p_i (the
-        # minimum of exponentials with rates p_i). So argmax(p / E) is a draw from p, and unlike
-        # torch.multinomial it needs no host round trip and takes a per-row generator.
+        # Exponential race ("sample without a CUDA sync"). Draw E_i ~ Exp(1) for each token. Token
+        # i wins when E_i / p_i is the smallest, which happens with probability exactly p_i (the
+        # minimum of exponentials with rates p_i). So argmax(p / E) is a draw from p. Unlike
+        # torch.multinomial, it needs no host round trip, and it takes a per-row generator.
         noise = torch.empty_like(probs).exponential_()
         for row, gen in batch.generators:
             noise[row].exponential_(generator=gen)
@@ -473,8 +477,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
 # ---------------------------------------------------------------------------
 # Block allocator
 # The KV pool is cut into blocks of block_size tokens. A block is shared by every sequence whose
-# prefix it holds, so it has a reference count; a full block is also named by a hash of its whole
-# prefix (prefix caching) and, once unused, stays findable until the pool needs it.
+# prefix it holds, so it has a reference count. A full block is also named by a hash of its whole
+# prefix (prefix caching). Once unused, it stays findable by that name until the pool needs it.
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):
@@ -636,9 +640,10 @@ class Scheduler:
         return not (preempted or self._ends_when_read(seq) or held_back)
 
     def _decodes_wait(self, budget: int) -> bool:
-        """The burst rule (above): True if decodes sit this step out for prompts, while those can
-        take their place: a seat is free, the pool holds two full steps of prompt tokens (with
-        less, admission soon stops on blocks, decodes waiting for nothing), prompts fill a step."""
+        """The burst rule (above). True if decodes sit this step out for prompts, while prompts
+        can take their place. That needs a free seat, prompts enough to fill a step, and room in
+        the pool for two full steps of prompt tokens. With less room, admission would soon stop
+        on blocks, and the decodes would wait for nothing."""
         if self.num_steps % self.DECODES_EVERY == 0:
             return False                          # this step, decodes ride along
         seat_free = len(self.running) < self.cfg.max_num_seqs
@@ -736,12 +741,12 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On CUDA with the Triton
-# attention, each step replays a CUDA graph: every kernel launch of one forward pass, recorded once
-# (capture) and replayed in one launch, where 200 launches from Python would leave the GPU idle. A
-# replay reads and writes the addresses it recorded: so each step copies its inputs into static
-# buffers (self.buffers), every graph's activations share one memory pool, a step pads its batch
-# to the next captured size (_pad says why that is harmless), and each size runs once before its
-# capture so that Triton compiles outside the recording.
+# attention, each step replays a CUDA graph. A graph holds every kernel launch of one forward
+# pass, recorded once (capture) and replayed in one launch, where 200 launches from Python would
+# leave the GPU idle. A replay reads and writes the addresses it recorded. So each step copies
+# its inputs into static buffers (self.buffers), and every graph's activations share one memory
+# pool. A step pads its batch to the next captured size (_pad says why that is harmless). Each
+# size runs once before its capture, so that Triton compiles outside the recording.
 
 @dataclass
 class StepInputs:
@@ -883,9 +888,9 @@ class ModelRunner:
         return b["input_ids"][:N], b["positions"][:N], meta
 
     def _flatten(self, batch: ScheduledBatch):
-        """Each sequence's new tokens in turn as host lists, one per buffer; the rows that sample (a
-        sequence's last token, once no prompt is left; a drafting one's d + 1 last: chapter:
-        speculative decoding); the rows whose input is a pending token."""
+        """Each sequence's new tokens in turn, as host lists, one per buffer. Also the rows that
+        sample: a sequence's last, once no prompt is left (a drafting one's d + 1 last, in the
+        chapter "speculative decoding"). And the rows whose input is a pending token."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
         sample_rows, sample_seqs, pending, tables = [], [], [], []   # pending: (row, seq)
@@ -1026,10 +1031,10 @@ class ModelRunner:
 
 # ---------------------------------------------------------------------------
 # Engine core
-# The step loop: schedule, launch, read back, hand each sampled token to its sequence. The engine
-# core sees token ids only; text, stop strings and all else per request live in the front end
-# (Requests in, text out). It runs in a process of its own behind the server, in-process for
-# LLM.generate.
+# The step loop: schedule, launch, read back, and hand each sampled token to its sequence. The
+# engine core sees token ids only. Text, stop strings and all else per request live in the front
+# end (Requests in, text out). Behind the server it runs in a process of its own; for
+# LLM.generate, in the caller's.
 
 @dataclass
 class EngineCoreRequest:
@@ -1140,7 +1145,8 @@ class EngineCore:
         outputs, rows = [], iter(zip(step.seqs, zip(*host)))   # a row: its token, then log-probs
         for seq, row in rows:
             seq.num_pending_tokens -= 1         # read: no longer pending (the table at step)
-            for row in self.scheduler.speculation.accept(seq, row, rows):  # chapter: speculative
+            # chapter: speculative decoding (the row alone when off; with drafts, those kept)
+            for row in self.scheduler.speculation.accept(seq, row, rows):
                 if not seq.is_finished:         # else aborted, or ended by the step before
                     outputs.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
@@ -1172,9 +1178,10 @@ class EngineCore:
             return "length"
 
     def fail_running(self, error: Exception) -> list:
-        """A step raised: every running sequence ends in error, its blocks freed; waiting ones stay
-        queued, none with a pending token (the launched step is dropped unread). Returned first:
-        the outputs the step had read back, since a request they finish runs no more."""
+        """A step raised. Every running sequence ends in error, and its blocks are freed. Waiting
+        ones stay queued, none with a pending token, since the launched step is dropped unread.
+        The outputs the step had read back come first in the list: a request they finish runs no
+        more, so they are its last."""
         self.launched = None
         failed = [s for s in self.seqs.values() if s.status == "running"]
         for seq in failed:
@@ -1192,7 +1199,7 @@ class EngineCore:
                     kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,
                     kv_blocks_cached=len(a.evictable),        # free, but their prefix kept
                     generated_tokens_total=self.num_generated_tokens,
-                    prompt_tokens_total=s.num_prompt_tokens,  # admitted; of those, cached:
+                    prompt_tokens_total=s.num_prompt_tokens,  # admitted, and of those cached
                     prefix_cache_hit_tokens_total=s.num_cached_tokens,
                     prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
                     preemptions_total=s.num_preemptions,
@@ -1202,7 +1209,7 @@ class EngineCore:
 # Requests in, text out
 # The front end holds everything per request that the engine core never needs: chat templates
 # (first), tokenizing, checks against the engine's limits, and token ids back to text
-# (incremental detokenization, stop strings). It runs in the caller's process: the server's, or
+# (incremental detokenization, stop strings). It runs in the caller's process, the server's or
 # LLM.generate's.
 
 # -- chat templates --
@@ -1210,8 +1217,9 @@ def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
 
 class ChatTemplate:
-    """The model's chat template (tokenizer_config.json), rendered as transformers does: it is code
-    from the checkpoint, so in jinja2's sandbox; blocks trimmed; raise_exception, strftime_now."""
+    """The model's chat template (tokenizer_config.json), rendered as transformers does. It is
+    code from the checkpoint, so it runs in jinja2's sandbox. Blocks are trimmed, and the template
+    may call raise_exception and strftime_now."""
     def __init__(self, tokenizer_config: dict):
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -1382,10 +1390,11 @@ class FrontEnd:
 
     def _detokenize(self, states: list):
         """Append each request's newly completed text, all requests in one batched decode. The
-        shown tokens [prefix_offset, read_offset) are decoded again as context (a token may render
-        differently after another: a leading space), then with the new ones: say tokens 0-4 are
-        shown (offsets 3, 5) and 5-6 arrive; decode(3:5) = "ab", decode(3:) = "abcd": "cd" is added,
-        offsets 5, 7. Text ending in U+FFFD (half a character) waits for the next token."""
+        shown tokens [prefix_offset, read_offset) are decoded again as context, since a token may
+        render differently after another (a leading space). Then they are decoded with the new
+        ones. Say tokens 0-4 are shown (offsets 3, 5), and 5-6 arrive. decode(3:5) = "ab" and
+        decode(3:) = "abcd", so "cd" is added, and the offsets become 5, 7. Text that ends in
+        U+FFFD (half a character) waits for the next token."""
         if self.tokenizer is None or not states:
             return
         windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
@@ -1473,8 +1482,9 @@ class EngineCoreAbort:
     request_id: str
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
-    """In the engine core process's main thread: owns the scheduler, BlockAllocator, ModelRunner and
-    device; steps while work is queued. `setup(core)` runs first if given (tests inject faults)."""
+    """The engine core process's main thread. It owns the scheduler, the BlockAllocator, the
+    ModelRunner and the device, and steps while work is queued. `setup(core)` runs first if given
+    (tests inject faults)."""
     follow_parent()                # chapter: signals (Ctrl-C is the server's; its death ends us)
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
@@ -1592,9 +1602,9 @@ class EngineCoreClient:
         self.inbox.close()
 
     def receive(self, loop: asyncio.AbstractEventLoop):
-        """The receiving thread (started with the event loop): blocks on the pipe without the GIL,
-        hands `loop` all that has arrived in one call (a reader on the loop would need the pipe
-        non-blocking, as uvloop makes it: messages in pieces)."""
+        """The receiving thread, started with the event loop. It blocks on the pipe without the
+        GIL, and hands `loop` all that has arrived in one call. (A reader on the loop would need
+        the pipe non-blocking, as uvloop makes it, and would get messages in pieces.)"""
         with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
             try:
                 while True:
@@ -1666,7 +1676,7 @@ class OpenAIServer:
         # chapter: the rest of the OpenAI API (the JSON body; each field checked by its table)
         f = parse_fields(await read_body(self, request), COMPLETION_FIELDS)
         prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
-        # max_tokens 0 (echo: prompt log-probs only) still samples a token; the engine core drops it
+        # max_tokens 0 (echo, to score the prompt) still samples a token. The engine core drops it.
         grammar = await request_grammar(self, f.get("response_format"))  # chapter: structured output
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
                                        num_top if echo else None, grammar)
@@ -1724,6 +1734,10 @@ class OpenAIServer:
         body = await shape.body(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
+# the API's sampling fields that carry SamplingParams' own names and defaults
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "ignore_eos", "logit_bias",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty")
+
 def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
                           prompt_logprobs: Optional[int] = None, grammar=None) -> list:
     """One SamplingParams per choice. Choice i seeds seed + i: n different, reproducible choices."""
@@ -1738,7 +1752,7 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
 _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
 
 class _Shape:
-    """A response, any endpoint: ids, envelopes, chunks, log-probs (clamped: JSON has no -inf)."""
+    """A response of any endpoint: its id, envelopes and chunks."""
     id_prefix, object, chunk_object = "", "", ""
     hold = False                      # chapter: structured output (True: all at the end)
 
@@ -1879,8 +1893,9 @@ class _EventStream:
             listener.cancel()
 
 def _fold(whole: dict, chunk: dict):
-    """Per key: strings and lists concatenate, objects fold alike, tool-call deltas join their
-    call (by index); any other value replaces the old one, except that null never does."""
+    """Fold a chunk into the whole, key by key. Strings and lists concatenate, and objects fold
+    alike. Tool-call deltas join their call, by index. Any other value replaces the old one, but
+    null never does."""
     for key, value in chunk.items():
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
@@ -1924,8 +1939,8 @@ def serve(cfg: Config):
 
 # ---------------------------------------------------------------------------
 # CLI
-# `generate` streams one completion to the terminal; `serve` starts the HTTP server. Flags are
-# generated from the Config and SamplingParams fields, so a new setting needs no parser code.
+# `generate` streams one completion to the terminal, and `serve` starts the HTTP server. The
+# flags are made from the Config and SamplingParams fields, so a new setting needs no parser code.
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
     for f in dataclasses.fields(cls):
@@ -2123,7 +2138,7 @@ class Speculation:
 # deltas as it grows (split_tool_calls, _ToolCallShape).
 # Seams: Sequence.matcher, SamplingParams.grammar, the sampler (mask_logits), ModelRunner's
 # GrammarMasks, sample and finish_sample, _put_input_ids (finish_sample of the step before),
-# EngineCore.add_request (start_matcher), _commit (consume), _finish_reason (grammar_done),
+# EngineCore.add_request (start_matcher), _commit (follow), _finish_reason (grammar_done),
 # ChatTemplate.render (tools as text), FrontEnd (tool_call_format, grammar), _Shape.hold, and the
 # handlers (request_grammar, chat_grammar, tool_call_shape).
 
@@ -2872,9 +2887,6 @@ CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, to
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
                dict: "an object", list: "an array"}
-# the API's sampling fields that carry SamplingParams' own names and defaults
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "ignore_eos", "logit_bias",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def parse_fields(body: dict, spec: dict, path: str = "") -> dict:
     """The body's fields, checked against spec (a JSON null is absent). An unknown field is refused,
