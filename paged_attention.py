@@ -263,8 +263,8 @@ def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, 
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
     """logit_bias and the penalties as sparse edits: a new tensor, changed at N (row, token).
-    edits = ((rows, ids), (bias, repetition, penalty)), from nanoserve's ModelRunner.logit_edits:
-    entry i edits logits[rows[i], ids[i]] in the three steps below, each with its values at i."""
+    edits = ((rows, ids), (bias, repetition, penalty)) comes from logit_edits, in nanoserve's
+    log-probs chapter. Entry i edits logits[rows[i], ids[i]] in the three steps below."""
     (rows, ids), (bias, repetition, penalty) = edits   # (2, N) int64, (3, N) fp32
     x = logits[rows, ids] + bias                               # logit_bias first, as in vLLM
     x = torch.where(x < 0, x * repetition, x / repetition)     # transformers' repetition rule
