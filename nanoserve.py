@@ -407,7 +407,9 @@ def build_model(cfg: Config) -> Model:
 # One pass over the whole batch's logits: greedy, or temperature, top-k and top-p sampling (each
 # step's contract is a torch function in paged_attention.py's first section). Each row carries
 # its own settings, so one request's choices never change another's. A seeded row draws its noise
-# from its own generator. No step waits for the host (no sync). Two chapters edit the logits
+# from its own generator, seeded anew for each token by the request's seed and the token's
+# position. So a draw depends on nothing else: not the batch, nor which steps ran before. No
+# step waits for the host (no sync). Two chapters edit the logits
 # before the draw (logit_bias and penalties; grammar masks), and one reads them after (log-probs).
 
 @dataclass
@@ -442,7 +444,7 @@ class SamplingBatch:
     temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows; None if all are, and
     top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off;   then None too
     top_ps: Optional[torch.Tensor]    # (B,) float;                        then None too
-    generators: list                  # (row, torch.Generator) for seeded rows
+    generators: list                  # (row, torch.Generator, its seed) for seeded rows
     all_greedy: bool
     needs_top_k_top_p: bool
     max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
@@ -468,8 +470,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
         # minimum of exponentials with rates p_i). So argmax(p / E) is a draw from p. Unlike
         # torch.multinomial, it needs no host round trip, and it takes a per-row generator.
         noise = torch.empty_like(probs).exponential_()
-        for row, gen in batch.generators:
-            noise[row].exponential_(generator=gen)
+        for row, gen, seed in batch.generators:
+            noise[row].exponential_(generator=gen.manual_seed(seed))
         sampled = (probs / noise).argmax(dim=-1)           # (B,)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
     return tokens, sampled_logprobs(raw, tokens, batch)       # chapter: log-probs and logit edits
@@ -568,7 +570,7 @@ class Sequence:
         self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
         self.num_pending_tokens = 0      # launched to be sampled, not yet in token_ids (above)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
-        self.generator = None            # per-request RNG when params.seed is set
+        self.generator = None            # per-request RNG when params.seed is set (Sampler)
         self.matcher = None                                    # chapter: structured output
         self.prompt_logprobs: list = []                  # chapter: log-probs and logit edits
         self.draft_token_ids: list = []                       # chapter: speculative decoding
@@ -608,9 +610,7 @@ class Scheduler:
                 continue
             # a pending token is computed like any other (see Sequence)
             n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
-            drafts = self.speculation.draft(seq, budget)       # chapter: speculative decoding
-            if self._reserve_blocks(seq, n + len(drafts)):
-                seq.draft_token_ids, n = drafts, n + len(drafts)   # chapter: speculative decoding
+            if self._reserve_blocks(seq, n):
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
                 budget -= n
         # -- admit waiting sequences while budget, seats and blocks allow --
@@ -630,6 +630,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq), batch.num_new_tokens.append(n)
             budget -= n
+        self.speculation.add_drafts(batch, budget)            # chapter: speculative decoding
         return batch
 
     def _runs_this_step(self, seq: Sequence, decodes_wait: bool) -> bool:
@@ -757,6 +758,7 @@ class StepInputs:
     num_tokens: int                   # the real tokens; rows past them are padding
     sample_rows: list                 # the rows sampled: a sequence's last, once no prompt is left
     sample_seqs: list                 # and the index of each one's sequence in the batch
+    sample_positions: list            # and the position of the token each one draws (seeds)
     graph: Optional[tuple]            # (CUDAGraph, its output) to replay; None: run eagerly
 
 @dataclass
@@ -768,6 +770,7 @@ class LaunchedStep:
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
+    positions: list = field(default_factory=list)   # of the tokens they draw (StepInputs)
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
     masks: Optional[Future] = None    # chapter: structured output (None: no grammar row)
     host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, as host copies
@@ -873,8 +876,9 @@ class ModelRunner:
         key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: run eagerly
         N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
         self._put_input_ids(batch, input_ids, pending, prev)
+        draws = [flat["positions"][row] + 1 for row in sample_rows]   # a row draws the next token
         return StepInputs(*self.put_step(flat, key, N, S, width, batch.is_decode), num_tokens,
-                          sample_rows, sample_seqs, self.graphs.get(key))
+                          sample_rows, sample_seqs, draws, self.graphs.get(key))
 
     def put_step(self, flat: dict, key, N: int, S: int, width: int, is_decode: bool) -> tuple:
         """The padded lists into the buffers: the model's inputs."""
@@ -949,7 +953,8 @@ class ModelRunner:
             ids.index_copy_(0, pa.to_device(self.device, rows, torch.int64),
                             prev.tokens[pa.to_device(self.device, src, torch.int64)])
 
-    def sampling_batch(self, seqs: list, allowed: Optional[tuple] = None) -> SamplingBatch:
+    def sampling_batch(self, seqs: list, positions: list, allowed=None) -> SamplingBatch:
+        """The rows' settings; positions: of the token each row draws, which seeds its noise."""
         params, V = [s.params for s in seqs], self.cfg.vocab_size
         all_greedy = all(p.temperature == 0 for p in params)
         def per_row(values, dtype):            # an all-greedy batch needs no per-row tensors
@@ -958,7 +963,9 @@ class ModelRunner:
             temperatures=per_row([p.temperature for p in params], torch.float32),
             top_ks=per_row([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
             top_ps=per_row([p.top_p for p in params], torch.float32),
-            generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
+            # hash of (seed, position): the same in every process (only str hashes are salted)
+            generators=[(i, s.generator, hash((s.params.seed, positions[i])))
+                        for i, s in enumerate(seqs) if s.generator is not None],
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             all_greedy=all_greedy, allowed=allowed,
@@ -982,7 +989,8 @@ class ModelRunner:
         if len(seqs) < hidden.shape[0]:         # skip the rows of prefill tokens
             rows = pa.to_device(self.device, inputs.sample_rows, torch.int64)
             hidden = hidden.index_select(0, rows)
-        return LaunchedStep(batch, seqs, self.model.compute_logits(hidden))  # (B, V) logits
+        logits = self.model.compute_logits(hidden)                           # (B, V)
+        return LaunchedStep(batch, seqs, logits, inputs.sample_positions)
 
     def sample(self, step: LaunchedStep):
         """Sample a launched step's rows, and start copying their tokens back (EngineCore.step
@@ -996,7 +1004,8 @@ class ModelRunner:
         if step is None or step.tokens is not None or not step.seqs:
             return                         # sampled already, or nothing to sample
         allowed = step.masks.result() if step.masks else None  # chapter: structured output
-        step.tokens, logprobs = sample(step.logits, self.sampling_batch(step.seqs, allowed))
+        batch = self.sampling_batch(step.seqs, step.positions, allowed)
+        step.tokens, logprobs = sample(step.logits, batch)
         step.host = [step.tokens, *(logprobs or ())]      # (B,), then (B,), (B, k), (B, k)
         if self.use_cuda:
             step.host = [t.to("cpu", non_blocking=True) for t in step.host]  # into pinned memory
@@ -1355,12 +1364,12 @@ class FrontEnd:
         """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
         string ended, for the engine core to abort. Tokens computed past the stop are dropped: one
         in-process, a few more behind the server, where tokens and abort cross a pipe each."""
-        now, changed = time.perf_counter(), {}
+        now, changed = time.perf_counter(), {}   # request id -> (state, its tokens before)
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:                  # ended here already (stop string, abort)
                 continue
-            changed[out.request_id] = state
+            changed.setdefault(out.request_id, (state, len(state.token_ids)))
             state.first_token_time = state.first_token_time or now
             state.num_cached_tokens = out.num_cached_tokens
             state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
@@ -1368,13 +1377,13 @@ class FrontEnd:
             if out.token_id is not None:
                 state.token_ids.append(out.token_id)
                 state.logprobs += [out.logprobs] if out.logprobs else []
-        states = list(changed.values())
+        states = [state for state, _ in changed.values()]
         num_old_chars = [len(s.text) for s in states]      # stop strings: only new text can match
         self._detokenize([s for s in states if s.incremental and not s.error])
         stopped = []
-        for state, num_old in zip(states, num_old_chars):
+        for (state, num_old_tokens), num_old in zip(changed.values(), num_old_chars):
             # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
-            if not state.error and self._truncate_at_stop_string(state, num_old):
+            if not state.error and self._truncate_at_stop_string(state, num_old, num_old_tokens):
                 if state.finish_reason is None:        # the engine core still runs it
                     stopped.append(state.request_id)
                 state.finish_reason = "stop"
@@ -1405,14 +1414,24 @@ class FrontEnd:
                 s.text += after[len(before):]
                 s.prefix_offset, s.read_offset = s.read_offset, len(s.token_ids)
 
-    def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int) -> bool:
-        """Cut the text at the earliest stop string; a new match ends inside this step's text."""
-        starts = [state.text.find(stop, max(0, num_old_chars - len(stop) + 1))
-                  for stop in state.params.stop]
-        first = min((i for i in starts if i != -1), default=None)
-        if first is not None:
-            state.text = state.text[:first]
-        return first is not None
+    def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int,
+                                 num_old_tokens: int = 0) -> bool:
+        """Cut the text at the earliest stop string; a new match ends inside this call's text.
+        Several tokens may arrive in one call (steps batched behind the server, or a chapter's
+        accepted drafts). Those after the token that completes the stop string are cut too, with
+        their log-probs: the output is the same as if they had come one at a time."""
+        matches = [(i, i + len(stop)) for stop in state.params.stop
+                   if (i := state.text.find(stop, max(0, num_old_chars - len(stop) + 1))) != -1]
+        if not matches:
+            return False
+        first, end = min(matches)
+        n = num_old_tokens + 1                 # the fewest tokens whose text holds the match
+        while n < len(state.token_ids) and \
+                not self.decode(state.token_ids[:n]).startswith(state.text[:end]):
+            n += 1
+        del state.token_ids[n:], state.logprobs[n:]
+        state.text = state.text[:first]
+        return True
 
 class LLM:
     """Offline generation in vLLM's shape: LLM(model_dir).generate(prompts, SamplingParams(...))
@@ -2078,24 +2097,48 @@ class Speculation:
     speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens
                           and len(self.scheduler.running) <= self.SPECULATE_MAX_ROWS)
 
+    @staticmethod
+    def can_draft(seq: Sequence) -> bool:
+        """Rows with a grammar or a penalty never draft (the chapter's opening says why)."""
+        return seq.matcher is None and not seq.params.needs_output_history
+
+    def add_drafts(self, batch: ScheduledBatch, budget: int):
+        """Give the decoding rows of a scheduled batch their drafts. This runs once every row has
+        its own tokens, so drafts take only the budget and the free blocks left. A draft never
+        preempts a row or keeps one from running (Config's promise)."""
+        if not self.speculates:
+            return
+        free = self.scheduler.allocator.num_free_blocks
+        for i, seq in enumerate(batch.seqs):
+            drafts = self.draft(seq, budget)
+            while drafts and self.scheduler._num_blocks_needed(seq, 1 + len(drafts)) > free:
+                drafts.pop()                      # the blocks they need must be free already
+            if drafts:
+                free -= self.scheduler._num_blocks_needed(seq, 1 + len(drafts))
+                self.scheduler._reserve_blocks(seq, 1 + len(drafts))
+                seq.draft_token_ids = drafts
+                batch.num_new_tokens[i] += len(drafts)
+                budget -= len(drafts)
+
     def draft(self, seq: Sequence, budget: int) -> list:
-        """seq's drafts this step; accepting all of them stays within the length limits."""
-        if not self.speculates or seq.matcher is not None or seq.params.needs_output_history \
-                or seq.num_computed_tokens != seq.num_tokens - 1:   # pending, or a prefill
+        """seq's drafts this step; accepting all of them stays within the length limits. Only a
+        row that decodes its newest token drafts: not a prefill, nor a row with a pending token."""
+        if not self.can_draft(seq) or seq.num_computed_tokens != seq.num_tokens - 1:
             return []
-        k = min(self.cfg.num_speculative_tokens, budget - 1, self.cfg.max_model_len - seq.num_tokens
+        k = min(self.cfg.num_speculative_tokens, budget, self.cfg.max_model_len - seq.num_tokens
                 - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
         return seq.ngrams.propose(seq.token_ids, k) if k > 0 else []
 
     def reads_back_first(self, prev: LaunchedStep) -> bool:
         """Whether EngineCore.step reads prev back before it launches the next step: after a step
         that drafted (the tokens it keeps decide the next input), and where the next step may
-        draft. A row may, where its tokens so far end in an n-gram seen before. Copied text keeps
-        matching and other text seldom starts to, so elsewhere the one-ahead overlap is kept."""
+        draft. A row may, where it can draft at all and its tokens so far end in an n-gram seen
+        before. Copied text keeps matching and other text seldom starts to, so elsewhere the
+        one-ahead overlap is kept."""
         if not self.cfg.num_speculative_tokens:
             return False
         return any(seq.draft_token_ids for seq in prev.batch.seqs) or self.speculates and any(
-            seq.matcher is None and seq.ngrams.propose(seq.token_ids, 1)
+            self.can_draft(seq) and seq.ngrams.propose(seq.token_ids, 1)
             for seq in self.scheduler.running)
 
     def accept(self, seq: Sequence, row: tuple, rows) -> tuple:

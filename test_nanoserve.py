@@ -528,6 +528,99 @@ def test_speculation_keeps_stops_lengths_logprobs_grammars(smol_llm):
     check_pool_is_free(spec.engine)
 
 
+def test_stops_inside_an_accepted_run_cut_the_tokens(smol_llm):
+    """A stop string, a stop token or max_tokens that falls inside a run of accepted drafts ends
+    the output where plain decoding ends it: the tokens, their log-probs and the usage count too,
+    not only the text. The stop string "old" here ends inside a 4-draft run."""
+    spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, num_speculative_tokens=4)
+    prompt = COPY_PROMPTS[0]
+    old = smol_llm.front.encode(" old", add_special_tokens=False)[0]
+    cases = [dict(stop=["old"], logprobs=1), dict(stop_token_ids=[old]),
+             dict(max_tokens=3, ignore_eos=True)]
+    for case in cases:
+        params = ns.SamplingParams(**{"temperature": 0, "max_tokens": 24, **case})
+        ref = smol_llm.generate([prompt], params)[0]
+        before = spec.stats()["spec_decode_num_accepted_tokens_total"]
+        out = spec.generate([prompt], params)[0]
+        assert spec.stats()["spec_decode_num_accepted_tokens_total"] > before, case
+        print(case, [smol_llm.front.decode([t]) for t in out.token_ids])
+        assert (out.token_ids, out.text, out.finish_reason) == \
+            (ref.token_ids, ref.text, ref.finish_reason), case
+        assert len(out.logprobs) == len(ref.logprobs)
+    check_pool_is_free(spec.engine)
+
+
+def test_stop_string_cuts_tokens_that_arrive_together(smol_llm):
+    """Behind the server several steps' outputs may reach the front end at once. The tokens after
+    the one that completes a stop string are dropped with their log-probs, as one at a time."""
+    front = smol_llm.front
+    ids = front.encode(" to the old mill by the", add_special_tokens=False)
+    params = ns.SamplingParams(temperature=0, max_tokens=24, stop=["old"], logprobs=0)
+    request = front.add([1, 2], params)
+    outs = [ns.EngineCoreOutput(request.request_id, t, logprobs=(-0.5, {t: -0.5})) for t in ids]
+    (state,), stopped = front.process(outs)
+    assert stopped == [request.request_id] and state.finish_reason == "stop"
+    assert state.text == " to the " and state.token_ids == ids[:3] and len(state.logprobs) == 3
+
+
+def test_seeded_draws_ignore_drafts_and_batch(smol_llm):
+    """A seeded row's draws depend on its seed and the token's position only: the same output
+    alone, beside 17 other requests, and with drafts on or off."""
+    spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=256, num_speculative_tokens=4)
+    p = ns.SamplingParams(temperature=0.8, max_tokens=24, seed=1234, ignore_eos=True)
+    prompt = COPY_PROMPTS[0]
+    off = smol_llm.generate([prompt], p)[0].token_ids
+    alone = spec.generate([prompt], p)[0].token_ids
+    assert spec.stats()["spec_decode_num_accepted_tokens_total"] > 0
+    others = [ns.SamplingParams(temperature=0.8, max_tokens=24, seed=i) for i in range(17)]
+    batched = spec.generate(COPY_PROMPTS * 6, [p] + others)[0].token_ids
+    print(smol_llm.front.decode(alone))
+    assert alone == batched == off
+    check_pool_is_free(spec.engine)
+
+
+def test_drafts_never_starve_a_running_row(smol_llm, monkeypatch):
+    """Drafts take only the budget left after every running row has its token. With 2 seats, a
+    budget of 4 tokens and 3 drafts that are always right, the second request still gets a token
+    in every step while the first one runs."""
+    params = ns.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [smol_llm.front.encode(p) for p in COPY_PROMPTS[:2]]
+    ref = [o.token_ids for o in smol_llm.generate(prompts, params)]
+    wanted = [p + r for p, r in zip(prompts, ref)]
+    monkeypatch.setattr(ns.NgramIndex, "propose", lambda self, token_ids, k: next(
+        w for w in wanted if w[:len(token_ids)] == token_ids)[len(token_ids):len(token_ids) + k])
+    spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, max_num_seqs=2,
+                  max_num_batched_tokens=4, num_speculative_tokens=3)
+    states = [spec.add(p, params) for p in prompts]
+    seen, got = [0, 0], []                      # per step: whether each request got a token
+    for _ in spec.run():
+        now = [len(s.token_ids) for s in states]
+        got.append([a > b for a, b in zip(now, seen)])
+        seen = now
+    first_b = next(i for i, g in enumerate(got) if g[1])
+    last_a = max(i for i, g in enumerate(got) if g[0])
+    print(f"{len(got)} steps; the second request's first token in step {first_b}, the first's "
+          f"last in step {last_a}")
+    assert first_b < last_a and all(g == [True, True] for g in got[first_b:last_a + 1])
+    assert [s.token_ids for s in states] == ref
+    assert spec.stats()["spec_decode_num_accepted_tokens_total"] > 0
+    check_pool_is_free(spec.engine)
+
+
+def test_rows_that_cannot_draft_keep_the_overlap(smol_llm):
+    """Rows with a penalty never draft, so a batch of them never gives up the one-ahead overlap:
+    no step reads the step before back first, and none drafts."""
+    spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, num_speculative_tokens=4)
+    calls = []
+    reads_back_first = spec.engine.scheduler.speculation.reads_back_first
+    spec.engine.scheduler.speculation.reads_back_first = \
+        lambda prev: calls.append(reads_back_first(prev)) or calls[-1]
+    params = ns.SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.5)
+    spec.generate(COPY_PROMPTS, params)
+    assert len(calls) > 10 and not any(calls)
+    assert spec.stats()["spec_decode_num_draft_tokens_total"] == 0
+
+
 @pytest.mark.parametrize("device,eager", [
     ("cpu", True), *[pytest.param("cuda", e, marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))
                      for e in (False, True)]])
@@ -693,7 +786,7 @@ def test_logit_bias_and_penalties_match_their_formulas(smol_llm):
                       repetition_penalty=0.6),
              "plain, sampled": ns.SamplingParams(temperature=0.8, seed=5)}
     seqs = history_seqs(V, list(specs.values()), gen)
-    batch = runner.sampling_batch(seqs)
+    batch = runner.sampling_batch(seqs, [0] * len(seqs))
     ours, ref = pa.apply_logit_edits(logits, batch.logit_edits), reference_edits(logits, seqs)
     for row, name in enumerate(specs):
         diff = (ours[row] - ref[row]).abs().max().item()
@@ -725,7 +818,7 @@ def test_edited_rows_leave_the_others_alone(smol_llm):
     for rows in ([0, 1, 2], order):
         for s in seqs:
             s.generator = torch.Generator().manual_seed(s.params.seed or 0)
-        batch = runner.sampling_batch([seqs[r] for r in rows])
+        batch = runner.sampling_batch([seqs[r] for r in rows], [0] * len(rows))
         assert (batch.logit_edits is None) == (rows == [0, 1, 2])
         tokens, (lp, top_lp, top_ids) = ns.sample(logits[rows], batch)
         keep = [rows.index(r) for r in (0, 1, 2)]
