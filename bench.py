@@ -1468,9 +1468,8 @@ def _verify_step_seconds(llm, B, ctx, k, iters=20):
         seqs.append(seq)
 
     def step():
-        for seq in seqs:
-            seq.draft_token_ids = list(range(1, k + 1))
-        launched = engine.runner.launch(ns.ScheduledBatch(seqs, [1 + k] * B))
+        drafts = {seq: list(range(1, k + 1)) for seq in seqs} if k else {}
+        launched = engine.runner.launch(ns.ScheduledBatch(seqs, [1 + k] * B, drafts))
         engine.runner.sample(launched)
         engine.runner.finish_sample(launched)
         return launched.tokens.tolist()

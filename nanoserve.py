@@ -573,8 +573,8 @@ class Sequence:
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
         self.matcher = None                                    # chapter: structured output
         self.prompt_logprobs: list = []                  # chapter: log-probs and logit edits
-        self.draft_token_ids: list = []                       # chapter: speculative decoding
         self.ngrams = NgramIndex()                            # chapter: speculative decoding
+        self.guessed = (0, [])                                # chapter: speculative decoding
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
     is_finished = property(lambda self: self.status == "finished")
@@ -584,6 +584,7 @@ class ScheduledBatch:
     """What one step runs: each sequence with its number of new tokens."""
     seqs: list
     num_new_tokens: list
+    draft_token_ids: dict = field(default_factory=dict)  # chapter: speculative decoding (by seq)
     is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
 
 class Scheduler:
@@ -877,8 +878,10 @@ class ModelRunner:
         N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
         self._put_input_ids(batch, input_ids, pending, prev)
         draws = [flat["positions"][row] + 1 for row in sample_rows]   # a row draws the next token
-        return StepInputs(*self.put_step(flat, key, N, S, width, batch.is_decode), num_tokens,
-                          sample_rows, sample_seqs, draws, self.graphs.get(key))
+        inputs = self.put_step(flat, key, N, S, width, batch.is_decode)
+        follow_accepted_drafts(self, batch, pending, prev)   # chapter: speculative decoding
+        return StepInputs(*inputs, num_tokens, sample_rows, sample_seqs, draws,
+                          self.graphs.get(key))
 
     def put_step(self, flat: dict, key, N: int, S: int, width: int, is_decode: bool) -> tuple:
         """The padded lists into the buffers: the model's inputs."""
@@ -900,20 +903,22 @@ class ModelRunner:
         sample_rows, sample_seqs, pending, tables = [], [], [], []   # pending: (row, seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            drafts = batch.draft_token_ids.get(seq, [])    # chapter: speculative decoding
+            d = len(drafts)                                 # (0 when off)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             last_row = flat["cu_seqlens_q"][-1] + n - 1
-            d = len(seq.draft_token_ids)           # chapter: speculative decoding (0 when off)
-            flat["input_ids"] += seq.token_ids[start:end] + seq.draft_token_ids
-            if end > seq.num_tokens + d:     # its last input is the pending token (see Sequence)
+            flat["input_ids"] += seq.token_ids[start:end - d]
+            if end - d > seq.num_tokens:     # its last input is the pending token (see Sequence)
                 flat["input_ids"].append(0)        # a placeholder: _put_input_ids fills it
-                pending.append((last_row, seq))
+                pending.append((last_row - d, seq))
+            flat["input_ids"] += drafts
             table = seq.block_table
             tables.append(table + [0] * (width - len(table)))   # the row's blocks, then 0s
             flat["positions"] += range(start, end)
             flat["slot_mapping"] += [table[p // bs] * bs + p % bs for p in range(start, end)]
             flat["context_lens"].append(end)
             flat["cu_seqlens_q"].append(last_row + 1)
-            if end >= seq.num_tokens + d:   # its last input is its newest token: it samples
+            if end - d >= seq.num_tokens:   # its last input is its newest token: it samples
                 sample_rows += range(last_row - d, last_row + 1)
                 sample_seqs += [i] * (d + 1)
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
@@ -1122,7 +1127,7 @@ class EngineCore:
         A sequence whose pending token is its last, by length, is not scheduled again
         (Scheduler._ends_when_read): reading that token back ends it."""
         prev, self.committed = self.launched, []
-        # chapter: speculative decoding (False when off: step N+1 launches before step N is read)
+        # chapter: speculative decoding (False but with tensor-parallel ranks, after drafts)
         if prev is not None and self.scheduler.speculation.reads_back_first(prev):
             self.committed, prev = self._commit(prev), None
         self.launched = self._launch(prev)         # step N+1, before step N is read back
@@ -1155,7 +1160,7 @@ class EngineCore:
         for seq, row in rows:
             seq.num_pending_tokens -= 1         # read: no longer pending (the table at step)
             # chapter: speculative decoding (the row alone when off; with drafts, those kept)
-            for row in self.scheduler.speculation.accept(seq, row, rows):
+            for row in self.scheduler.speculation.accept(seq, row, rows, step, self.launched):
                 if not seq.is_finished:         # else aborted, or ended by the step before
                     outputs.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
@@ -2044,35 +2049,48 @@ def main(argv=None):
 # Sampling is exact too. A draft is kept iff the row's draw x from p equals it, which happens
 # with probability p(draft). A rejected row emits x, a draw from p without the draft,
 # renormalized. That is the standard rule for a deterministic draft: the output is distributed
-# as plain sampling.
+# as plain sampling. A seeded row's draw is keyed by its position (Sampler), so drafts change no
+# seeded output either.
 # Rows with a grammar or a penalty do not draft: their masks or counts would need the drafts
 # before them. No row drafts while more than SPECULATE_MAX_ROWS run, where a verify step costs
-# well over a decode (README). A step that may draft first reads the step before back, since a
-# draft follows the newest token, which must be on the host. That step loses the one-ahead
-# overlap.
-# Seams: Config._check (k <= 15: a verify chunk fits the 16-token graph), Sequence
-# (draft_token_ids, ngrams), Scheduler.__init__ and schedule (draft), ModelRunner._flatten (the
-# drafts follow a row's newest token, and each row samples), EngineCore.step (reads_back_first),
+# well over a decode (README). Drafts take only the budget and the blocks left once every row is
+# scheduled (add_drafts).
+# The one-ahead overlap is kept. Step N+1 is laid out while step N, which may have drafted, is
+# still on the device. So the host knows neither the pending token nor how many drafts step N
+# keeps. Two guesses stand in:
+# - the tokens: the lookup guesses the pending tokens as it guesses drafts, and drafts after the
+#   guess (guess_pending). A wrong guess makes wrong drafts, which are rejected: never wrong text.
+# - the places: each row is laid out as if step N kept every draft. Before the forward pass, the
+#   device moves it back by the drafts step N rejected (follow_accepted_drafts). Its input becomes
+#   the token sampled after the last kept draft. Its positions, slots and context length move
+#   back by the count rejected. When step N is read back, accept rewinds the host to match.
+# Seams: Config._check (k <= 15: a verify chunk fits the 16-token graph), Sequence (ngrams,
+# guessed), ScheduledBatch.draft_token_ids, Scheduler.__init__ and schedule (add_drafts),
+# ModelRunner._flatten (the drafts follow a row's newest token, and each row samples), prepare
+# (follow_accepted_drafts), EngineCore.step (reads_back_first: with tensor parallelism only),
 # EngineCore._commit (accept), EngineCore.stats.
 
 class NgramIndex:
     """A sequence's drafts (this chapter's opening tells the mechanism).
+    extend(token_ids) enters each position once, when the token after it is known: a step costs
+    a few dict operations, not a scan of the context.
     propose(token_ids, k): the up to k tokens that followed the latest earlier occurrence of
     the last n tokens, n from NGRAM_MAX down to NGRAM_MIN. With k = 3, in [5, 7, 9, 2, 5, 7]
     the last 3 tokens occurred nowhere before; the last 2 (5, 7) end at position 2, so the
-    draft is [9, 2, 5]. Each position is entered once, when the token after it arrives: a
-    step costs a few dict operations, not a scan of the context."""
+    draft is [9, 2, 5]. token_ids may end in guessed tokens: they are matched, never entered."""
     NGRAM_MIN, NGRAM_MAX = 2, 3   # n-gram lengths matched, the longest tried first
 
     def __init__(self):
         self.ends = {}          # n-gram (a tuple) -> the position just past its latest occurrence
         self.num_indexed = 1    # positions below this are entered
 
-    def propose(self, token_ids, k):
+    def extend(self, token_ids):
         for end in range(self.num_indexed, len(token_ids)):   # each has a token after it
             for n in range(self.NGRAM_MIN, min(self.NGRAM_MAX, end) + 1):
                 self.ends[tuple(token_ids[end - n:end])] = end
-        self.num_indexed = len(token_ids)
+        self.num_indexed = max(self.num_indexed, len(token_ids))
+
+    def propose(self, token_ids, k):
         for n in range(min(self.NGRAM_MAX, len(token_ids)), self.NGRAM_MIN - 1, -1):
             end = self.ends.get(tuple(token_ids[-n:]))
             if end is not None:
@@ -2092,6 +2110,7 @@ class Speculation:
 
     def __init__(self, cfg: Config, scheduler: Scheduler):
         self.cfg, self.scheduler = cfg, scheduler
+        self.in_flight = {}       # the drafts of the step scheduled last, by sequence
         self.num_draft_tokens = self.num_accepted_tokens = 0
 
     speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens
@@ -2106,56 +2125,71 @@ class Speculation:
         """Give the decoding rows of a scheduled batch their drafts. This runs once every row has
         its own tokens, so drafts take only the budget and the free blocks left. A draft never
         preempts a row or keeps one from running (Config's promise)."""
+        in_flight, self.in_flight = self.in_flight, batch.draft_token_ids
         if not self.speculates:
             return
         free = self.scheduler.allocator.num_free_blocks
         for i, seq in enumerate(batch.seqs):
-            drafts = self.draft(seq, budget)
+            drafts = self.draft(seq, min(budget, self.cfg.num_speculative_tokens), in_flight)
             while drafts and self.scheduler._num_blocks_needed(seq, 1 + len(drafts)) > free:
                 drafts.pop()                      # the blocks they need must be free already
             if drafts:
                 free -= self.scheduler._num_blocks_needed(seq, 1 + len(drafts))
                 self.scheduler._reserve_blocks(seq, 1 + len(drafts))
-                seq.draft_token_ids = drafts
+                batch.draft_token_ids[seq] = drafts
                 batch.num_new_tokens[i] += len(drafts)
                 budget -= len(drafts)
 
-    def draft(self, seq: Sequence, budget: int) -> list:
-        """seq's drafts this step; accepting all of them stays within the length limits. Only a
-        row that decodes its newest token drafts: not a prefill, nor a row with a pending token."""
-        if not self.can_draft(seq) or seq.num_computed_tokens != seq.num_tokens - 1:
+    def draft(self, seq: Sequence, k: int, in_flight: dict) -> list:
+        """Up to k drafts for seq, if it decodes. Accepting them all stays within the length
+        limits, counting its pending tokens as if the step before keeps every draft."""
+        num_tokens = seq.num_tokens + seq.num_pending_tokens
+        if not self.can_draft(seq) or seq.num_computed_tokens != num_tokens - 1:
+            return []                                        # a prefill chunk
+        k = min(k, self.cfg.max_model_len - num_tokens - 1,
+                seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1)
+        seq.ngrams.extend(seq.token_ids)
+        guess = self.guess_pending(seq, in_flight)
+        seq.guessed = (seq.num_tokens, guess)
+        return seq.ngrams.propose(seq.token_ids + guess, k) if k > 0 and guess is not None else []
+
+    def guess_pending(self, seq: Sequence, in_flight: dict) -> Optional[list]:
+        """The host's guess of seq's pending tokens: [] when it has none. Else the drafts of the
+        step still on the device, if they were drafted on a guess that came true, then what the
+        lookup says follows them. None when the lookup has nothing to say."""
+        if seq.num_pending_tokens == 0:
             return []
-        k = min(self.cfg.num_speculative_tokens, budget, self.cfg.max_model_len - seq.num_tokens
-                - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return seq.ngrams.propose(seq.token_ids, k) if k > 0 else []
+        at, guessed = seq.guessed          # what the last draft assumed after token_ids[:at]
+        kept = in_flight.get(seq, []) if seq.token_ids[at:] == guessed else []
+        last = seq.ngrams.propose(seq.token_ids + kept, 1)
+        return kept + last if last else None
 
     def reads_back_first(self, prev: LaunchedStep) -> bool:
-        """Whether EngineCore.step reads prev back before it launches the next step: after a step
-        that drafted (the tokens it keeps decide the next input), and where the next step may
-        draft. A row may, where it can draft at all and its tokens so far end in an n-gram seen
-        before. Copied text keeps matching and other text seldom starts to, so elsewhere the
-        one-ahead overlap is kept."""
-        if not self.cfg.num_speculative_tokens:
-            return False
-        return any(seq.draft_token_ids for seq in prev.batch.seqs) or self.speculates and any(
-            self.can_draft(seq) and seq.ngrams.propose(seq.token_ids, 1)
-            for seq in self.scheduler.running)
+        """Whether EngineCore.step reads prev back before it launches the next step: only with
+        tensor parallelism, after a step that drafted. Its ranks lay out their own inputs from
+        rank 0's plan, and cannot follow the accepted drafts on the device."""
+        return self.cfg.tensor_parallel_size > 1 and bool(prev.batch.draft_token_ids)
 
-    def accept(self, seq: Sequence, row: tuple, rows) -> tuple:
-        """The rows EngineCore._commit appends for seq, whose first sampled row is `row`: that row
-        alone without drafts. With d drafts, the next d of `rows` are seq's too. The kept ones
-        are returned, and the rest rewound (the chapter's opening)."""
-        drafts = seq.draft_token_ids
+    def accept(self, seq: Sequence, row: tuple, rows, step: LaunchedStep, after) -> tuple:
+        """The rows EngineCore._commit appends for seq, whose first sampled row in `step` is
+        `row`: that row alone without drafts. With d drafts, the next d of `rows` are seq's too.
+        The kept ones are returned, and the rest rewound (the chapter's opening). `after` is the
+        step launched since, whose rows the device has moved back already: its draws' positions
+        follow here."""
+        drafts = step.batch.draft_token_ids.get(seq)
         if not drafts:
             return (row,)
-        seq.draft_token_ids = []
         sampled = (row, *(next(rows)[1] for _ in drafts))  # (token, *log-probs) each
         seq.num_pending_tokens -= len(drafts)              # read too: no longer pending
         num_kept = num_accepted(drafts, [token for token, *_ in sampled])
-        if not seq.is_finished:                   # (an aborted one has no blocks left)
+        if seq.status == "running":         # (a finished or preempted one has no blocks left)
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += num_kept
-            seq.num_computed_tokens -= len(drafts) - num_kept
+            num_rejected = len(drafts) - num_kept
+            seq.num_computed_tokens -= num_rejected
+            if after is not None and after is not step:
+                after.positions = [p - num_rejected * (s is seq)
+                                   for s, p in zip(after.seqs, after.positions)]
             num_blocks = -(-seq.num_computed_tokens // self.cfg.block_size)   # ceil
             for block in reversed(seq.block_table[num_blocks:]):
                 self.scheduler.allocator.free(block)
@@ -2165,6 +2199,29 @@ class Speculation:
     def stats(self) -> dict:
         return dict(spec_decode_num_draft_tokens_total=self.num_draft_tokens,
                     spec_decode_num_accepted_tokens_total=self.num_accepted_tokens)
+
+def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: list,
+                           prev: Optional[LaunchedStep]):
+    """Move back, on the device, each row laid out as if prev kept all its drafts (the chapter's
+    opening). Say prev ran [the, mat, ., The] for a row and sampled [mat, ., It, cat]: it keeps
+    2 drafts of 3. The row's next input is "It", the sample at prev's row 2, not "cat" at row
+    3. Its positions, slots and context length move back by 1. pa.follow_accepted reads prev's
+    tokens on the device: no host round trip."""
+    drafted = prev.batch.draft_token_ids if prev is not None else {}
+    moved = [(row, seq) for row, seq in pending if seq in drafted]
+    if not moved:
+        return
+    first_row, index = {}, {seq: i for i, seq in enumerate(batch.seqs)}
+    for i, seq in enumerate(prev.seqs):               # a sequence's sampled rows are adjacent
+        first_row.setdefault(seq, i)
+    plan = [(first_row[seq], len(drafted[seq]), row,
+             1 + len(batch.draft_token_ids.get(seq, [])), index[seq]) for row, seq in moved]
+    drafts = [drafted[seq] + [-1] * (16 - len(drafted[seq])) for _, seq in moved]
+    b, dev = runner.buffers, runner.device
+    pa.follow_accepted(prev.tokens, pa.to_device(dev, plan, torch.int64),
+                       pa.to_device(dev, drafts, torch.int64), b["input_ids"], b["positions"],
+                       b["slot_mapping"], b["context_lens"], b["block_tables"],
+                       runner.cfg.block_size)
 
 # ---------------------------------------------------------------------------
 # Chapter: structured output (grammars and tool calls)

@@ -607,18 +607,27 @@ def test_drafts_never_starve_a_running_row(smol_llm, monkeypatch):
     check_pool_is_free(spec.engine)
 
 
-def test_rows_that_cannot_draft_keep_the_overlap(smol_llm):
-    """Rows with a penalty never draft, so a batch of them never gives up the one-ahead overlap:
-    no step reads the step before back first, and none drafts."""
+def test_drafts_keep_the_one_ahead_overlap(smol_llm):
+    """No step reads the step before back before it launches the next, with drafts on: not for
+    rows that cannot draft (a penalty), which draft nothing, nor for rows that draft and keep
+    drafts. A read-back-first step is one whose step before is read while it is still the last
+    launched."""
     spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, num_speculative_tokens=4)
-    calls = []
-    reads_back_first = spec.engine.scheduler.speculation.reads_back_first
-    spec.engine.scheduler.speculation.reads_back_first = \
-        lambda prev: calls.append(reads_back_first(prev)) or calls[-1]
-    params = ns.SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.5)
-    spec.generate(COPY_PROMPTS, params)
-    assert len(calls) > 10 and not any(calls)
+    engine, read_first = spec.engine, []
+    commit = engine._commit
+    def spy(step):
+        read_first.append(engine.launched is step)
+        return commit(step)
+    engine._commit = spy
+    penalized = ns.SamplingParams(temperature=0, max_tokens=16, presence_penalty=0.5)
+    spec.generate(COPY_PROMPTS, penalized)
+    assert len(read_first) > 10 and not any(read_first)
     assert spec.stats()["spec_decode_num_draft_tokens_total"] == 0
+    read_first.clear()
+    spec.generate(COPY_PROMPTS, ns.SamplingParams(temperature=0, max_tokens=16))
+    assert len(read_first) > 5 and not any(read_first)
+    assert spec.stats()["spec_decode_num_accepted_tokens_total"] > 0
+    check_pool_is_free(engine)
 
 
 @pytest.mark.parametrize("device,eager", [
@@ -1300,6 +1309,46 @@ def test_rms_norm_and_silu_and_mul(device, dtype, N_tok, D):
     norm.weight.data.copy_(w)
     assert torch.equal(pa.rms_norm_ref(x, w, 1e-5), norm(x))
     assert torch.equal(pa.silu_and_mul_ref(gate_up), F.silu(gate_up[:, :D]) * gate_up[:, D:])
+
+
+# ----------------------------------------------------------------------------
+# Following accepted drafts: the Triton kernel against its torch reference, and the reference
+# against the rule spelled out.
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(NO_CUDA, reason="needs CUDA"))])
+def test_follow_accepted_kernel(device):
+    """Five sequences that drafted 1 to 15 tokens and kept none, some or all of them, each moved
+    back in this step's buffers: its input, positions, slots and context length."""
+    gen, bs = torch.Generator().manual_seed(5), 4
+    cases = [(1, 0, 3), (4, 4, 1), (15, 7, 16), (3, 1, 5), (2, 2, 2)]   # (d, kept, width)
+    tokens, plan, drafts, row = [], [], [], 0
+    for m, (d, kept, width) in enumerate(cases):
+        sampled = torch.randint(100, 200, (d + 1,), generator=gen).tolist()
+        draft = sampled[:kept] + [t + 1 for t in sampled[kept:d]]    # the first miss at kept
+        plan.append((len(tokens), d, row, width, 4 - m))
+        drafts.append(draft + [-1] * (16 - d))
+        tokens += sampled
+        row += width
+    table = torch.randperm(80, generator=gen).view(5, 16).to(torch.int32)   # (B, width)
+    positions = torch.cat([torch.arange(w) + 20 + 3 * m for m, (_, _, w) in enumerate(cases)])
+    lens = torch.tensor([40, 41, 42, 43, 44], dtype=torch.int32)
+    buffers = [torch.zeros(row, dtype=torch.int64), positions, torch.full((row,), -1), lens]
+    t = lambda x: torch.tensor(x, dtype=torch.int64)                    # noqa: E731
+    ref = [x.clone() for x in buffers]
+    pa.follow_accepted_ref(t(tokens), t(plan), t(drafts), *ref, table, bs)
+    for m, ((d, kept, width), (r0, _, first, _, b)) in enumerate(zip(cases, plan)):
+        assert ref[0][first] == tokens[r0 + kept] and ref[3][b] == lens[b] - (d - kept)
+        pos = positions[first:first + width] - (d - kept)
+        assert torch.equal(ref[1][first:first + width], pos)
+        assert torch.equal(ref[2][first:first + width], table[b, pos // bs] * bs + pos % bs)
+    out = [x.to(device) for x in buffers]
+    pa._follow_accepted_kernel[(len(cases),)](
+        t(tokens).to(device), t(plan).to(device), t(drafts).to(device), *out,
+        table.to(device), table.stride(0), bs)
+    for a, b in zip(out, ref):
+        assert torch.equal(a.cpu(), b)
 
 
 # ----------------------------------------------------------------------------
