@@ -2823,6 +2823,21 @@ def test_cpu_threads_are_shared_among_the_ranks(monkeypatch):
     assert got == {(1, 0): 12, (3, 0): 4, (5, 0): 2, (16, 0): 1, (3, 2): 2}, got
 
 
+def test_each_engine_starts_from_the_machines_cores(monkeypatch):
+    """The count an engine sets is not the next engine's start: after a rank's share at 3
+    ranks, or a num_threads given, an engine with num_threads 0 at one rank takes every core."""
+    threads = [16]                                   # torch's own count: 16 physical cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.__setitem__(0, n))
+    got = []
+    for size, given in [(3, 0), (1, 0), (1, 2), (1, 0), (3, 0), (3, 0)]:
+        monkeypatch.setattr(pa, "tensor_parallel_size", lambda: size)
+        pa.set_cpu_threads(given)
+        got.append(threads[0])
+    assert got == [4, 12, 2, 12, 4, 4], got
+
+
 def fail_a_layer_once(core):
     """Runs inside the engine core process (EngineCoreClient's `setup`): rank 0's layer 10
     raises in the first step, between that step's all-reduces, so the workers stay inside it."""
