@@ -2187,30 +2187,43 @@ def tool_call_format(cfg: Config, template: str) -> str:
     flag = cfg.tool_call_parser
     return flag if flag != "auto" else "llama3" if llama else "hermes"
 
+MAX_SCHEMA_DEPTH = 128    # JSON nesting that llguidance reads (serde_json's limit)
+# How prepare_schema reads a keyword's value: a map of names to schemas, or branches that
+# combine with the schema around them. Any other keyword's value is a schema, or holds some.
+_SCHEMA_KEYWORDS = {"properties": "names", "$defs": "names", "definitions": "names",
+                    "allOf": "branch", "anyOf": "branch", "not": "branch",
+                    "const": "value", "enum": "value", "default": "value", "examples": "value"}
+
 def prepare_schema(schema, strict: bool = False):
     """A copy of a JSON schema for the grammar. An object that lists properties and does not say
-    additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode). An
-    integer without bounds gets JSON's exact range, so its digits end. With strict, OpenAI's two
-    rules for objects hold, or a ValueError names the one broken (llguidance names keywords)."""
-    def walk(node, path: str, names: bool = False):
-        if isinstance(node, list):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
-        if not isinstance(node, dict):
+    additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode). A
+    branch of allOf, anyOf or not is left open: closed, it would refuse the keys that the other
+    branches or the schema around it allow, and could match nothing. An integer without bounds
+    gets JSON's exact range, so its digits end. With strict, OpenAI's two rules for objects hold,
+    or a ValueError names the one broken (llguidance names keywords). A schema nested deeper than
+    llguidance reads is a ValueError too, before Python's own recursion limit is reached."""
+    def walk(node, path: str, depth: int, kind: str = "schema"):
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"is nested more than {MAX_SCHEMA_DEPTH} levels deep ({path[:40]}...)")
+        if kind == "value" or not isinstance(node, (dict, list)):
             return node
-        if names:                             # properties, $defs: each name's schema
-            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
-        out = {k: v if k in ("const", "enum", "default", "examples") else   # values, not schemas
-               walk(v, f"{path}/{k}", k in ("properties", "$defs")) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{path}/{i}", depth + 1, kind) for i, v in enumerate(node)]
+        if kind == "names":                   # each name's schema
+            return {k: walk(v, f"{path}/{k}", depth + 1) for k, v in node.items()}
+        out = {k: walk(v, f"{path}/{k}", depth + 1, _SCHEMA_KEYWORDS.get(k, "schema"))
+               for k, v in node.items()}
         if isinstance(out.get("properties"), dict):
             if strict and out.get("additionalProperties") is not False:
                 raise ValueError(f"is strict: an object needs additionalProperties false ({path})")
             if strict and set(out["properties"]) - set(out.get("required", [])):
                 raise ValueError(f"is strict: every property must be in required ({path})")
-            out.setdefault("additionalProperties", False)
+            if kind != "branch":
+                out.setdefault("additionalProperties", False)
         if out.get("type") == "integer":   # its own bounds win (an exclusive one holds beside)
             out = {"minimum": -2**53 + 1, "maximum": 2**53 - 1} | out
         return out
-    return walk(schema, "#")
+    return walk(schema, "#", 0)
 
 def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
@@ -2841,8 +2854,13 @@ def _rule(ok, why: str):
     return rule
 
 _REQUIRED = _rule(lambda v, f: v is not None, "is required")
-# where the "strict" beside it asks, prepare_schema names the strict-mode rule a schema breaks
-_STRICT = _rule(lambda v, f: not (v and f.get("strict")) or bool(prepare_schema(v, True)), "")
+
+def _schema(v, f) -> Optional[dict]:
+    """A schema, checked by prepare_schema: a 400 names what it breaks, its depth or, where the
+    "strict" beside it asks, a rule of strict mode."""
+    if v is not None:
+        prepare_schema(v, f.get("strict") is True)
+    return v
 
 def _response_format(v, f) -> Optional[dict]:
     """The JSON schema that response_format asks the output to match, if any."""
@@ -2872,7 +2890,7 @@ _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an obje
     repetition_penalty=float, ignore_eos=bool, stream=bool,
     stream_options={"include_usage": bool, "include_obfuscation": bool},
     response_format=({"type": str, "json_schema": {"name": str, "description": str,
-                                                   "schema": (dict, _STRICT), "strict": bool}},
+                                                   "schema": (dict, _schema), "strict": bool}},
                      _response_format),
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
 COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
@@ -2882,7 +2900,7 @@ CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, to
     max_completion_tokens=int, parallel_tool_calls=bool,
     tools=[{"type": str, "function": ({"name": (str, _rule(lambda v, f: re.fullmatch(
         r"[a-zA-Z0-9_-]{1,64}", v or ""), "must be 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's)")),
-        "description": str, "parameters": (dict, _STRICT), "strict": bool}, _REQUIRED)}],
+        "description": str, "parameters": (dict, _schema), "strict": bool}, _REQUIRED)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",

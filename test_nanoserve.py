@@ -2182,6 +2182,55 @@ def test_strict_schema_that_breaks_a_rule_is_a_400(server):
     assert "uniqueItems" in assert_error(r, 400)["message"]
 
 
+def test_schema_nested_too_deep_is_a_400(server, capfd):
+    """A schema nested 250 deep, in response_format or in a tool's parameters, strict or not:
+    a 400 that names the field and the depth, and no traceback in the log (prepare_schema
+    recursed into a RecursionError, a 500)."""
+    schema = {"type": "string"}
+    for _ in range(250):
+        schema = {"type": "object", "properties": {"a": schema}}
+    capfd.readouterr()
+    for strict in (False, True):
+        for fields, param in [
+                ({"response_format": {"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": schema, "strict": strict}}},
+                 "response_format.json_schema.schema"),
+                ({"tools": [{"type": "function", "function": {
+                    "name": "f", "parameters": schema, "strict": strict}}],
+                  "tool_choice": "required"}, "tools[0].function.parameters")]:
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+            error = assert_error(r, 400)
+            assert error["param"] == param and "nested more than 128" in error["message"], error
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "RecursionError" not in err, err[-2000:]
+
+
+def test_schema_definitions_are_names_and_branches_stay_open(smol_llm):
+    """draft-07's definitions is a map of names, as $defs is: a definition named like a
+    keyword is a schema, closed like any other, and no rule of strict mode reads the map
+    itself. A branch of allOf, anyOf or not gets no additionalProperties: closed, two allOf
+    branches that ask for a key each could match nothing."""
+    obj = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    closed = {**obj, "additionalProperties": False}
+    schema = {"definitions": {"default": obj, "properties": obj}, "$ref": "#/definitions/default"}
+    assert ns.prepare_schema(schema) == {**schema, "definitions": {"default": closed,
+                                                                   "properties": closed}}
+    strict = {"definitions": {"properties": closed}, "$ref": "#/definitions/properties"}
+    assert ns.prepare_schema(strict, strict=True) == strict
+    a, b = ({"type": "object", "properties": {k: obj}, "required": [k]} for k in "ab")
+    schema = {"allOf": [a, b], "anyOf": [a, b], "not": {"properties": {"c": obj}}}
+    inner = {k: {"type": "object", "properties": {k: closed}, "required": [k]} for k in "ab"}
+    assert ns.prepare_schema(schema) == {"allOf": [inner["a"], inner["b"]],
+                                         "anyOf": [inner["a"], inner["b"]],
+                                         "not": {"properties": {"c": closed}}}
+    tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"))
+    grammar = smol_llm.front.grammar(json.dumps({"allOf": [a, b]}))
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    text = '{"a":{"x":"1"},"b":{"x":"2"}}'
+    assert matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
 def test_responses_api_gets_an_error_that_says_why(server, client):
     """The Responses API (the OpenAI Agents SDK's default) is not served: a 404 in OpenAI's
     shape that names what is (the README shows the Agents SDK's switch to chat completions)."""
