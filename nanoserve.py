@@ -1116,9 +1116,11 @@ class EngineCore:
         # chapter: speculative decoding (False when off: step N+1 launches before step N is read)
         if prev is not None and self.scheduler.speculation.reads_back_first(prev):
             self.committed, prev = self._commit(prev), None
-        self.launched = self._launch(prev)         # step N+1, before step N is read back
-        if prev is not None:
-            self.committed = self._commit(prev)    # delivered even if sample raises (fail_running)
+        try:
+            self.launched = self._launch(prev)     # step N+1, before step N is read back
+        finally:                    # even if the launch raises: fail_running passes step N's
+            if prev is not None:    # outputs on, as it does when sample raises below
+                self.committed = self._commit(prev)
         if self.launched is not None:
             self.runner.sample(self.launched)
         return self.committed

@@ -341,6 +341,30 @@ def test_failed_sample_keeps_what_the_step_read_back(smol_llm, monkeypatch):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_failed_launch_keeps_what_the_step_before_sampled(smol_llm, monkeypatch):
+    """Step N+1 is launched before step N is read back. If that launch raises, a request that
+    step N finished (A, one token, not in step N+1) still ends as it should, "length" with its
+    token; only B, which step N+1 runs, ends in error."""
+    runner, calls = smol_llm.engine.runner, []
+    launch = runner.launch
+
+    def launch_failing_the_second_time(batch, prev=None):
+        calls.append(batch)
+        if len(calls) == 2:
+            assert [s.params.max_tokens for s in batch.seqs] == [5]   # B alone
+            raise RuntimeError("injected failure")
+        return launch(batch, prev)
+    monkeypatch.setattr(runner, "launch", launch_failing_the_second_time)
+    a, b = [smol_llm.add(smol_llm.front.encode(p), ns.SamplingParams(
+        temperature=0, max_tokens=n, ignore_eos=True)) for p, n in zip(SMOL_PROMPTS, (1, 5))]
+    with pytest.raises(RuntimeError, match="injected failure"):
+        for _ in smol_llm.run():
+            pass
+    assert (a.finish_reason, len(a.token_ids)) == ("length", 1), (a.finish_reason, a.error)
+    assert b.finish_reason == "error" and "injected failure" in b.error
+    check_pool_is_free(smol_llm.engine)
+
+
 def test_stop_strings_and_tokens(smol_llm):
     base = smol_llm.generate(["1, 2, 3, 4,"], GREEDY)[0]
     assert " 5, 6" in base.text
