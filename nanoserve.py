@@ -1179,13 +1179,13 @@ class EngineCore:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
 
-    def fail_running(self, error: Exception) -> list:
+    def fail_running(self, error: BaseException, waiting: bool = False) -> list:
         """A step raised. Every running sequence ends in error, and its blocks are freed. Waiting
-        ones stay queued, none with a pending token, since the launched step is dropped unread.
-        The outputs the step had read back come first in the list: a request they finish runs no
-        more, so they are its last."""
+        ones stay queued (unless `waiting`), none with a pending token, since the launched step is
+        dropped unread. The outputs the step had read back come first in the list: a request
+        they finish runs no more, so they are its last."""
         self.launched = None
-        failed = [s for s in self.seqs.values() if s.status == "running"]
+        failed = [s for s in self.seqs.values() if waiting or s.status == "running"]
         for seq in failed:
             self.abort_request(seq.request_id)
         for seq in self.seqs.values():
@@ -1431,13 +1431,14 @@ class LLM:
         return self.front.states[request.request_id]
 
     def run(self):
-        """Step until every request is done, yielding after each step. A step that raises ends the
-        running requests in error (fail_running) before the error goes on to the caller."""
+        """Step until every request is done, yielding after each step. A step that raises, or that
+        Ctrl-C stops, ends every request in error, running or waiting (fail_running), before the
+        error goes on to the caller. So a later call never runs a failed call's requests."""
         while self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
-            except Exception as e:
-                self.front.process(self.engine.fail_running(e))
+            except BaseException as e:
+                self.front.process(self.engine.fail_running(e, waiting=True))
                 raise
             _, stopped = self.front.process(outputs)
             for request_id in stopped:

@@ -365,6 +365,30 @@ def test_failed_launch_keeps_what_the_step_before_sampled(smol_llm, monkeypatch)
     check_pool_is_free(smol_llm.engine)
 
 
+@pytest.mark.parametrize("failure", [RuntimeError("injected failure"), KeyboardInterrupt()])
+def test_failed_generate_ends_its_waiting_requests(smol_llm, monkeypatch, failure):
+    """A generate whose step raises, or that Ctrl-C stops, ends every one of its requests,
+    running or waiting (two seats: two of four wait). The next generate runs only its own."""
+    engine, launch, calls = smol_llm.engine, smol_llm.engine.runner.launch, []
+
+    def launch_failing_the_second_time(batch, prev=None):
+        calls.append(batch)
+        if len(calls) == 2:
+            raise failure
+        return launch(batch, prev)
+    monkeypatch.setattr(engine.runner, "launch", launch_failing_the_second_time)
+    monkeypatch.setattr(engine.cfg, "max_num_seqs", 2)
+    with pytest.raises(type(failure)):
+        smol_llm.generate(SMOL_PROMPTS, ns.SamplingParams(temperature=0, max_tokens=8))
+    assert len(engine.scheduler.waiting) == 0 and not engine.has_unfinished()
+    check_pool_is_free(engine)
+    monkeypatch.undo()
+    before = smol_llm.stats()["generated_tokens_total"]
+    [out] = smol_llm.generate(SMOL_PROMPTS[0], ns.SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out.token_ids) == 5
+    assert smol_llm.stats()["generated_tokens_total"] - before == 5
+
+
 def test_stop_strings_and_tokens(smol_llm):
     base = smol_llm.generate(["1, 2, 3, 4,"], GREEDY)[0]
     assert " 5, 6" in base.text
