@@ -1185,6 +1185,7 @@ class EngineCore:
         dropped unread. The outputs the step had read back come first in the list: a request
         they finish runs no more, so they are its last."""
         self.launched = None
+        stop_out_of_step(self.runner.workers, error)       # chapter: tensor parallelism
         failed = [s for s in self.seqs.values() if waiting or s.status == "running"]
         for seq in failed:
             self.abort_request(seq.request_id)
@@ -2544,8 +2545,9 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # rank.
 # Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
 # all_reduce), ModelRunner.__init__ (start_workers, stopped_on_error, start_steps),
-# allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0), LLM.close
-# (stop_workers), run_engine_core (exit_on_worker_death, exit_on_failed_step).
+# allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0),
+# EngineCore.fail_running (stop_out_of_step), LLM.close (stop_workers), run_engine_core
+# (exit_on_worker_death, exit_on_failed_step).
 
 def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
@@ -2587,6 +2589,18 @@ def stopped_on_error(workers):
 def stop_workers(workers):
     """TensorParallelWorkers.close, where there are workers (LLM.close)."""
     if workers is not None:
+        workers.why_closed = TensorParallelWorkers.CLOSED
+        workers.close()
+
+def stop_out_of_step(workers, error: BaseException):
+    """After a step that raised on rank 0 (fail_running), Ctrl-C too: the workers may be inside
+    it still, in all-reduces rank 0 will never join, so the ranks are out of step for good. The
+    workers stop now. The next step then raises at once and says why (send), where it would
+    wait in a collective for gloo's 30 minutes. Behind a server, the engine core process then
+    ends (exit_on_failed_step)."""
+    if workers is not None and not workers.closed.is_set():
+        workers.why_closed = (f"this tensor-parallel engine stopped at a step that failed "
+                              f"({error!r}): its ranks were out of step. Start a new one")
         workers.close()
 
 def exit_on_worker_death(workers):
@@ -2596,9 +2610,8 @@ def exit_on_worker_death(workers):
         workers.exit_on_death = True
 
 def exit_on_failed_step(workers):
-    """In the engine core process, after a step that raised on rank 0: the workers
-    may be inside it still, in all-reduces rank 0 will never join, so the ranks are out of
-    step for good. The process ends as at a worker's death (close stops the workers)."""
+    """In the engine core process, after a step that raised on rank 0: the workers have
+    stopped (stop_out_of_step), so no step can run. The process ends as at a worker's death."""
     if workers is not None:
         sys.exit(1)
 
@@ -2642,6 +2655,8 @@ class TensorParallelWorkers:
     multiprocessing waits for its children. Neither it nor the watchdog holds self,
     so an LLM dropped without close is still collected, and closed."""
 
+    CLOSED = "this tensor-parallel engine is closed (LLM.close())"
+
     def __init__(self, cfg, make_runner):
         n, backend = cfg.tensor_parallel_size, _backend(cfg.device)
         if backend == "nccl" and torch.cuda.device_count() < n:
@@ -2657,6 +2672,7 @@ class TensorParallelWorkers:
         ctx = multiprocessing.get_context("spawn")
         self.pipes, self.procs, self.closed = [], [], threading.Event()
         self.error, self.started = "", False
+        self.why_closed = self.CLOSED      # what send says once closed (stop_out_of_step)
         self.exit_on_death = backend == "nccl"
         self.close = multiprocessing.util.Finalize(
             self, _close_workers, (self.pipes, self.procs, self.closed), exitpriority=100)
@@ -2679,7 +2695,7 @@ class TensorParallelWorkers:
 
     def send(self, plan):
         if self.closed.is_set():
-            raise RuntimeError("this tensor-parallel engine is closed (LLM.close())")
+            raise RuntimeError(self.why_closed)
         if self.error:
             raise RuntimeError(self.error)
         for pipe in self.pipes:

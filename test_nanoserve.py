@@ -2970,6 +2970,40 @@ def test_tensor_parallel_failed_step_ends_the_engine_core():
         client.shutdown()
 
 
+def _tp_failed_step(queue):
+    """In-process LLM at TP ranks whose layer 10 raises once on rank 0: generate twice, each
+    reported with its error and time, then the workers' PIDs."""
+    llm = ns.LLM(DEFAULT_MODEL, device="cpu", num_blocks=64, num_threads=1,
+                 tensor_parallel_size=TP)
+    fail_a_layer_once(llm.engine)
+    greedy = ns.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for _ in range(2):
+        start = time.time()
+        try:
+            llm.generate(TP_PROMPTS, greedy)
+            queue.put(("no error", time.time() - start))
+        except Exception as e:
+            queue.put((f"{type(e).__name__}: {e}", time.time() - start))
+    queue.put([p.pid for p in llm.engine.runner.workers.procs])
+    llm.close()
+
+
+def test_tensor_parallel_llm_after_a_failed_step_raises_at_once():
+    """An in-process LLM at 3 ranks whose step raised on rank 0, midway through the forward
+    pass: the ranks are out of step, so its workers stop. The next generate raises at once and
+    says why, where it waited in broadcast_from_rank0 for gloo's 30 minutes."""
+    ensure_smol()
+    queue = torch.multiprocessing.get_context("spawn").Queue()
+    run_processes(_tp_failed_step, [(queue,)], timeout=60)
+    first, second, pids = (queue.get(timeout=10) for _ in range(3))
+    print(first, second, sep="\n")
+    assert first[0] == "RuntimeError: injected failure"
+    assert second[0].startswith("RuntimeError: this tensor-parallel engine stopped at a step "
+                                "that failed (RuntimeError('injected failure'))"), second
+    assert second[1] < 2, second
+    wait_exited(pids, 1)
+
+
 def _tp_start_up_error_and_close(queue):
     """In a process of its own, which records its workers' PIDs: a start-up error caught
     (through the CLI's main), then an LLM at TP ranks, dropped, then the next engine."""
