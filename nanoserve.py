@@ -1781,12 +1781,15 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """The choices to send: the openings, one per Delta with news, then `last`'s (the end)."""
+        """The choices to send: the openings, one per Delta with news, then `last`'s (the end).
+        While the shape holds its text (hold), each step yields None: nothing to send, but a turn
+        for body to ask whether the client has left."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
             async for state in states:
                 if self.hold and state.finish_reason is None:   # all of it, at the end
+                    yield None
                     continue
                 d = state.take_delta()
                 if d.finish_reason == "error":
@@ -1810,7 +1813,8 @@ class _Shape:
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
-                    await write(f"{head}{_to_json(choice)}]}}")
+                    if choice is not None:
+                        await write(f"{head}{_to_json(choice)}]}}")
                 if include_usage:
                     await write(_to_json(self.envelope(self.chunk_object, [], usage=True)))
             except Exception as e:            # an APIError as it is; a bug logged, in one line
@@ -1829,7 +1833,8 @@ class _Shape:
             async for choice in chunks:
                 if await request.is_disconnected():
                     return None
-                _fold(choices.setdefault(choice["index"], {}), choice)
+                if choice is not None:
+                    _fold(choices.setdefault(choice["index"], {}), choice)
         for c in choices.values():
             if "delta" in c:
                 c["message"] = c.pop("delta")

@@ -2136,6 +2136,25 @@ def test_stop_string_inside_a_forced_call(client):
     assert r.finish_reason == "tool_calls" and check_weather_call(r.message.tool_calls[0])
 
 
+def test_held_forced_call_is_aborted_when_its_client_leaves(server):
+    """A non-streamed forced call with `stop` is held to its end (hold), yet a client that
+    leaves still has its request aborted within a step or so, not run to max_tokens. The call
+    cannot end before: its grammar asks for 400 numbers."""
+    numbers = {"type": "function", "function": {"name": "record", "parameters": {
+        "type": "object", "required": ["numbers"], "properties": {"numbers": {
+            "type": "array", "items": {"type": "integer"}, "minItems": 400}}}}}
+    tokens = "nanoserve_generated_tokens_total"
+    before = wait_idle(server)[tokens]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", timeout=2, json={
+            "messages": [{"role": "user", "content": "Record some numbers."}],
+            "tools": [numbers], "tool_choice": {"type": "function", "function": {
+                "name": "record"}}, "stop": ["zzz"], "temperature": 0, "max_tokens": 300})
+    num_generated = wait_idle(server, timeout=60)[tokens] - before
+    print(f"{num_generated} tokens generated")
+    assert 0 < num_generated < 200
+
+
 def test_tool_parameters_with_defs(client, engine):
     """Tools whose parameters are nested pydantic models ($defs and $ref, two tools with a
     model of the same name): the grammar resolves each tool's own $defs, and a forced call
