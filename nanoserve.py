@@ -1489,7 +1489,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """The engine core process's main thread. It owns the scheduler, the BlockAllocator, the
     ModelRunner and the device, and steps while work is queued. `setup(core)` runs first if given
     (tests inject faults)."""
-    follow_parent()                # chapter: signals (Ctrl-C is the server's; its death ends us)
+    follow_parent(outbox)          # chapter: signals (Ctrl-C is the server's; its death ends us)
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
@@ -1541,15 +1541,16 @@ class EngineCoreClient:
         self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
         self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
                                    args=(cfg, inbox_end, outbox_end, setup), daemon=True)
-        with sigint_held():                    # chapter: signals (Ctrl-C is the server's)
-            self.process.start()
-        inbox_end.close()                      # the child's ends, closed here: a dead child
-        outbox_end.close()                     # then reads as EOF
-        try:
-            ready = self.outbox.recv()        # stats once loaded, or why it failed
-        except EOFError:
-            self.process.join(5)
-            ready = f"the engine core exited with code {self.process.exitcode}"
+        with child_stopped_on_error(self.process, self.outbox):   # chapter: signals (Ctrl-C)
+            with sigint_held():                # chapter: signals (Ctrl-C is the server's)
+                self.process.start()
+            inbox_end.close()                  # the child's ends, closed here: a dead child
+            outbox_end.close()                 # then reads as EOF
+            try:
+                ready = self.outbox.recv()    # stats once loaded, or why it failed
+            except EOFError:
+                self.process.join(5)
+                ready = f"the engine core exited with code {self.process.exitcode}"
         if isinstance(ready, str):
             raise ValueError(ready)
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
@@ -1938,9 +1939,9 @@ def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
 def serve(cfg: Config):
     sock = socket.create_server((cfg.host, cfg.port))   # first: a port in use fails at once
     client = EngineCoreClient(cfg)
-    print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
-          + (" (API key required)" if cfg.api_key else ""), flush=True)
     try:   # SIGTERM drains (README), then uvicorn re-raises it: the engine core exits on EOF
+        print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
+              + (" (API key required)" if cfg.api_key else ""), flush=True)
         server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
         server.run(sockets=[sock])
     finally:
@@ -3120,12 +3121,33 @@ class ServerMetrics:
 # Chapter: signals
 # Ctrl-C sends SIGINT to every process of the terminal's group: the server or the LLM's process,
 # the engine core, and the tensor-parallel workers alike. Only the parent acts on it. It stops its
-# children by closing their pipes, which they read as EOF. Two helpers keep that true at every
+# children by closing their pipes, which they read as EOF. Three helpers keep that true at every
 # moment of start-up. A child is born with SIGINT blocked (sigint_held), so that one still
 # importing torch prints no traceback. Its first step (follow_parent) ignores SIGINT and SIGTERM
 # and watches its parent, so that a parent that dies first, however it went, ends it at once.
-# Seams: EngineCoreClient (sigint_held) and run_engine_core (follow_parent); the tensor-parallel
-# workers use both alike.
+# While the engine core loads, it reads no pipe. So a server stopped then (child_stopped_on_error)
+# closes the engine core's outbox instead, which the engine core watches too, and it ends at
+# once with its workers.
+# Seams: EngineCoreClient (child_stopped_on_error, sigint_held) and run_engine_core
+# (follow_parent); the tensor-parallel workers use the last two alike.
+
+@contextlib.contextmanager
+def child_stopped_on_error(process, outbox):
+    """Around the server's start of the engine core, from its spawn to its ready message. If
+    Ctrl-C (or any error) breaks it off, the engine core stops at once, before the error goes
+    on. The server closes outbox, its end of the engine core's outputs. The engine core sees it
+    (follow_parent), and ends its workers and itself. One still importing torch watches nothing
+    yet, so it is killed after a second."""
+    try:
+        yield
+    except BaseException:
+        outbox.close()
+        if process.pid is not None:           # spawned
+            process.join(1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        raise
 
 @contextlib.contextmanager
 def sigint_held():
@@ -3152,21 +3174,29 @@ def sigint_held():
     if held:
         signal.raise_signal(signal.SIGINT)
 
-def follow_parent():
+def follow_parent(outbox=None):
     """First in a process spawned under sigint_held (the engine core, a tensor-parallel
     worker), whose parent stops it by closing its pipe. SIGINT and SIGTERM are the parent's to
     act on, so they are ignored here (a blocked one that waits is dropped with them). A parent
     that dies first, however it went (Ctrl-C while this child starts, SIGKILL), ends this
     process at once, by _exit_with: no one would read its pipe again, and on a GPU a collective
-    waiting for a dead rank 0 never returns."""
+    waiting for a dead rank 0 never returns. The engine core also watches its outbox, which a
+    server stopped during its start-up closes (child_stopped_on_error)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process().sentinel,),
-                     name="nanoserve-parent-watch", daemon=True).start()
+    ends = [multiprocessing.parent_process().sentinel] + ([outbox] if outbox else [])
+    threading.Thread(target=_exit_with, args=(ends,), name="nanoserve-parent-watch",
+                     daemon=True).start()
 
-def _exit_with(sentinel):
-    multiprocessing.connection.wait([sentinel])    # readable once the parent has exited
+def _exit_with(ends):
+    """Waits until the parent has exited (its sentinel turns readable) or the outbox's reader is
+    gone (a pipe's sending end then turns ready, with an error). Then it kills this process's
+    children, a tensor-parallel rank 0's workers, since one still importing torch would not see
+    its parent's death until the import ends. Then this process exits."""
+    multiprocessing.connection.wait(ends)
+    for child in multiprocessing.active_children():
+        child.kill()
     os._exit(1)
 
 if __name__ == "__main__":

@@ -3159,6 +3159,62 @@ def test_serve_ctrl_c_while_the_engine_core_starts():
         assert code == 130 and took < 15, (code, took)
 
 
+def children_of(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def ignores_sigint(pid: int) -> bool:
+    """Whether process pid ignores SIGINT (its SigIgn mask in /proc), as follow_parent makes
+    the engine core and the workers do."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    except FileNotFoundError:
+        return False
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+def test_serve_ctrl_c_while_the_engine_core_loads():
+    """Ctrl-C on `serve --tensor-parallel-size 3` once the engine core ignores SIGINT: while
+    its workers import torch, and once they ignore SIGINT too and load. The server exits with
+    code 130 within 3 s, without a traceback, and every process it started is gone 3 s later,
+    none having loaded its weights. (The server waited at exit until every rank had loaded.)"""
+    server_config()                                  # skips without the default model
+    import subprocess
+    for when in ("importing", "loading"):
+        proc = subprocess.Popen(
+            [sys.executable, "nanoserve.py", "serve", "--device", "cpu", "--port", str(free_port()),
+             "--tensor-parallel-size", str(TP), "--num-threads", "1"],
+            cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            moment, deadline = False, time.time() + 60
+            while not moment and time.time() < deadline:
+                time.sleep(0.005)
+                core = [c for c in children_of(proc.pid) if len(children_of(c)) == TP - 1]
+                workers = children_of(core[0]) if core else []
+                moment = bool(workers) and ignores_sigint(core[0]) and \
+                    any(map(ignores_sigint, workers)) == (when == "loading")
+            assert moment, f"no engine core with workers {when}"
+            os.killpg(proc.pid, signal.SIGINT)
+            sent = time.time()
+            code = proc.wait(timeout=30)
+            took = time.time() - sent
+            wait_exited(in_session(proc.pid), 3)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        err = proc.stderr.read().decode()
+        print(f"Ctrl-C while the workers are {when}: exit code {code} after {took:.1f} s")
+        assert "Traceback" not in err and "loaded" not in err, err
+        assert code == 130 and took < 3, (code, took)
+
+
 TP_CUDA_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(200, 290))]
 
 
