@@ -2793,11 +2793,15 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
 # Seams: Config._check (check_fp8), build_model (quantize_fp8_weights).
 
 def check_fp8(cfg: Config):
-    """fp8 on a GPU needs fp8 tensor cores (compute capability 8.9 or above: Ada, Hopper)."""
+    """fp8 on a GPU needs fp8 tensor cores (compute capability 8.9 or above: Ada, Hopper). On a
+    CPU it runs, slowly, and one line on stderr says so at start-up."""
     if cfg.quantization and cfg.device.startswith("cuda") and \
             torch.cuda.get_device_capability(cfg.device) < (8, 9):
         raise ValueError("quantization fp8 needs fp8 tensor cores (compute capability 8.9 "
                          "or above: Ada, Hopper); run this GPU without it")
+    if cfg.quantization and not cfg.device.startswith("cuda"):
+        print("fp8 weights on the CPU run the torch reference (pa.linear_fp8_ref), which widens "
+              "every weight at every step: several times slower than float32", file=sys.stderr)
 
 def quantize_fp8_weights(model: Model, cfg: Config):
     """Each decoder layer's nn.Linear weight to e4m3, with its scales (pa.quantize_fp8)."""

@@ -907,6 +907,18 @@ def test_bad_input_is_a_clear_value_error(smol_llm, tmp_path):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_fp8_on_the_cpu_says_it_is_slow(capsys):
+    """fp8 weights on the CPU run, and one line at start-up says which path and that it is
+    slow; the default path says nothing."""
+    ensure_smol()
+    Config(model=DEFAULT_MODEL, device="cpu", quantization="fp8")
+    err = capsys.readouterr().err
+    assert err.startswith("fp8 weights on the CPU run the torch reference") and \
+        "slower than float32" in err and err.count("\n") == 1, err
+    Config(model=DEFAULT_MODEL, device="cpu")
+    assert capsys.readouterr().err == ""
+
+
 def test_hub_copy_of_the_default_model_gets_its_own_folder(tmp_path, monkeypatch):
     """HuggingFaceTB/SmolLM2-135M-Instruct shares its NAME with the default model's folder, which
     holds the 4-bit rebuild: it goes to NAME-hub, never "complete, nothing to do" (a fake hub)."""
