@@ -128,8 +128,10 @@ class Config:
     def __post_init__(self):
         path = Path(self.model)
         if not (path / "config.json").is_file():
+            how = "run `python download.py`" if self.model == DEFAULT_MODEL else \
+                "`python download.py ORG/NAME` puts a hub model in weights/NAME"
             raise ValueError(f"model path {self.model!r} does not exist or has no config.json "
-                             f"(run `python download.py` for the default model)")
+                             f"({how})")
         self._read_model_config(json.loads((path / "config.json").read_text()))
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

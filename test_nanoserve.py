@@ -907,6 +907,18 @@ def test_bad_input_is_a_clear_value_error(smol_llm, tmp_path):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_a_missing_model_gets_the_hint_for_it(tmp_path, monkeypatch):
+    """A missing model folder's error says how to get that model: download.py alone makes the
+    default one, and download.py ORG/NAME any other, never the default for another."""
+    missing = str(tmp_path / "Llama-3.2-1B")
+    with pytest.raises(ValueError) as e:
+        Config(model=missing)
+    assert "`python download.py ORG/NAME` puts a hub model in weights/NAME" in str(e.value)
+    monkeypatch.setattr(ns, "DEFAULT_MODEL", missing)
+    with pytest.raises(ValueError, match=r"\(run `python download.py`\)$"):
+        Config(model=missing)
+
+
 def test_fp8_on_the_cpu_says_it_is_slow(capsys):
     """fp8 weights on the CPU run, and one line at start-up says which path and that it is
     slow; the default path says nothing."""
