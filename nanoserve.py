@@ -3191,7 +3191,7 @@ def follow_parent(outbox=None):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    ends = [multiprocessing.parent_process().sentinel] + ([outbox] if outbox else [])
+    ends = [multiprocessing.parent_process().sentinel, *([outbox] if outbox is not None else [])]
     threading.Thread(target=_exit_with, args=(ends,), name="nanoserve-parent-watch",
                      daemon=True).start()
 
