@@ -1434,9 +1434,8 @@ class LLM:
         return self.front.states[request.request_id]
 
     def run(self):
-        """Step until every request is done, yielding after each step. A step that raises, or that
-        Ctrl-C stops, ends every request in error, running or waiting (fail_running), before the
-        error goes on to the caller. So a later call never runs a failed call's requests."""
+        """Step until every request is done, yielding after each step. A step that raises (Ctrl-C
+        too) ends every request in error, running or waiting (fail_running), before it goes on."""
         while self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
@@ -1784,15 +1783,13 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """The choices to send: the openings, one per Delta with news, then `last`'s (the end).
-        While the shape holds its text (hold), each step yields None: nothing to send, but a turn
-        for body to ask whether the client has left."""
+        """The choices to send: the openings, one per Delta with news, then `last`'s (the end)."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
             async for state in states:
                 if self.hold and state.finish_reason is None:   # all of it, at the end
-                    yield None
+                    yield None                  # nothing to send; body asks if the client left
                     continue
                 d = state.take_delta()
                 if d.finish_reason == "error":
