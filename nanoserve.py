@@ -128,8 +128,10 @@ class Config:
     def __post_init__(self):
         path = Path(self.model)
         if not (path / "config.json").is_file():
+            how = "run `python download.py`" if self.model == DEFAULT_MODEL else \
+                "`python download.py ORG/NAME` puts a hub model in weights/NAME"
             raise ValueError(f"model path {self.model!r} does not exist or has no config.json "
-                             f"(run `python download.py` for the default model)")
+                             f"({how})")
         self._read_model_config(json.loads((path / "config.json").read_text()))
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1130,9 +1132,11 @@ class EngineCore:
         # chapter: speculative decoding (False but with tensor-parallel ranks, after drafts)
         if prev is not None and self.scheduler.speculation.reads_back_first(prev):
             self.committed, prev = self._commit(prev), None
-        self.launched = self._launch(prev)         # step N+1, before step N is read back
-        if prev is not None:
-            self.committed = self._commit(prev)    # delivered even if sample raises (fail_running)
+        try:
+            self.launched = self._launch(prev)     # step N+1, before step N is read back
+        finally:                    # even if the launch raises: fail_running passes step N's
+            if prev is not None:    # outputs on, as it does when sample raises below
+                self.committed = self._commit(prev)
         if self.launched is not None:
             self.runner.sample(self.launched)
         return self.committed
@@ -1191,13 +1195,14 @@ class EngineCore:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
 
-    def fail_running(self, error: Exception) -> list:
+    def fail_running(self, error: BaseException, waiting: bool = False) -> list:
         """A step raised. Every running sequence ends in error, and its blocks are freed. Waiting
-        ones stay queued, none with a pending token, since the launched step is dropped unread.
-        The outputs the step had read back come first in the list: a request they finish runs no
-        more, so they are its last."""
+        ones stay queued (unless `waiting`), none with a pending token, since the launched step is
+        dropped unread. The outputs the step had read back come first in the list: a request
+        they finish runs no more, so they are its last."""
         self.launched = None
-        failed = [s for s in self.seqs.values() if s.status == "running"]
+        stop_out_of_step(self.runner.workers, error)       # chapter: tensor parallelism
+        failed = [s for s in self.seqs.values() if waiting or s.status == "running"]
         for seq in failed:
             self.abort_request(seq.request_id)
         for seq in self.seqs.values():
@@ -1453,13 +1458,13 @@ class LLM:
         return self.front.states[request.request_id]
 
     def run(self):
-        """Step until every request is done, yielding after each step. A step that raises ends the
-        running requests in error (fail_running) before the error goes on to the caller."""
+        """Step until every request is done, yielding after each step. A step that raises (Ctrl-C
+        too) ends every request in error, running or waiting (fail_running), before it goes on."""
         while self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
-            except Exception as e:
-                self.front.process(self.engine.fail_running(e))
+            except BaseException as e:
+                self.front.process(self.engine.fail_running(e, waiting=True))
                 raise
             _, stopped = self.front.process(outputs)
             for request_id in stopped:
@@ -1509,7 +1514,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """The engine core process's main thread. It owns the scheduler, the BlockAllocator, the
     ModelRunner and the device, and steps while work is queued. `setup(core)` runs first if given
     (tests inject faults)."""
-    follow_parent()                # chapter: signals (Ctrl-C is the server's; its death ends us)
+    follow_parent(outbox)          # chapter: signals (Ctrl-C is the server's; its death ends us)
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
@@ -1561,15 +1566,16 @@ class EngineCoreClient:
         self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
         self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
                                    args=(cfg, inbox_end, outbox_end, setup), daemon=True)
-        with sigint_held():                    # chapter: signals (Ctrl-C is the server's)
-            self.process.start()
-        inbox_end.close()                      # the child's ends, closed here: a dead child
-        outbox_end.close()                     # then reads as EOF
-        try:
-            ready = self.outbox.recv()        # stats once loaded, or why it failed
-        except EOFError:
-            self.process.join(5)
-            ready = f"the engine core exited with code {self.process.exitcode}"
+        with child_stopped_on_error(self.process, self.outbox):   # chapter: signals (Ctrl-C)
+            with sigint_held():                # chapter: signals (Ctrl-C is the server's)
+                self.process.start()
+            inbox_end.close()                  # the child's ends, closed here: a dead child
+            outbox_end.close()                 # then reads as EOF
+            try:
+                ready = self.outbox.recv()    # stats once loaded, or why it failed
+            except EOFError:
+                self.process.join(5)
+                ready = f"the engine core exited with code {self.process.exitcode}"
         if isinstance(ready, str):
             raise ValueError(ready)
         self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
@@ -1807,6 +1813,7 @@ class _Shape:
                 yield choice
             async for state in states:
                 if self.hold and state.finish_reason is None:   # all of it, at the end
+                    yield None                  # nothing to send; body asks if the client left
                     continue
                 d = state.take_delta()
                 if d.finish_reason == "error":
@@ -1830,7 +1837,8 @@ class _Shape:
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
-                    await write(f"{head}{_to_json(choice)}]}}")
+                    if choice is not None:
+                        await write(f"{head}{_to_json(choice)}]}}")
                 if include_usage:
                     await write(_to_json(self.envelope(self.chunk_object, [], usage=True)))
             except Exception as e:            # an APIError as it is; a bug logged, in one line
@@ -1849,7 +1857,8 @@ class _Shape:
             async for choice in chunks:
                 if await request.is_disconnected():
                     return None
-                _fold(choices.setdefault(choice["index"], {}), choice)
+                if choice is not None:
+                    _fold(choices.setdefault(choice["index"], {}), choice)
         for c in choices.values():
             if "delta" in c:
                 c["message"] = c.pop("delta")
@@ -1953,9 +1962,9 @@ def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
 def serve(cfg: Config):
     sock = socket.create_server((cfg.host, cfg.port))   # first: a port in use fails at once
     client = EngineCoreClient(cfg)
-    print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
-          + (" (API key required)" if cfg.api_key else ""), flush=True)
     try:   # SIGTERM drains (README), then uvicorn re-raises it: the engine core exits on EOF
+        print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
+              + (" (API key required)" if cfg.api_key else ""), flush=True)
         server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
         server.run(sockets=[sock])
     finally:
@@ -2287,30 +2296,43 @@ def tool_call_format(cfg: Config, template: str) -> str:
     flag = cfg.tool_call_parser
     return flag if flag != "auto" else "llama3" if llama else "hermes"
 
+MAX_SCHEMA_DEPTH = 128    # JSON nesting that llguidance reads (serde_json's limit)
+# How prepare_schema reads a keyword's value: a map of names to schemas, or branches that
+# combine with the schema around them. Any other keyword's value is a schema, or holds some.
+_SCHEMA_KEYWORDS = {"properties": "names", "$defs": "names", "definitions": "names",
+                    "allOf": "branch", "anyOf": "branch", "not": "branch",
+                    "const": "value", "enum": "value", "default": "value", "examples": "value"}
+
 def prepare_schema(schema, strict: bool = False):
     """A copy of a JSON schema for the grammar. An object that lists properties and does not say
-    additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode). An
-    integer without bounds gets JSON's exact range, so its digits end. With strict, OpenAI's two
-    rules for objects hold, or a ValueError names the one broken (llguidance names keywords)."""
-    def walk(node, path: str, names: bool = False):
-        if isinstance(node, list):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
-        if not isinstance(node, dict):
+    additionalProperties gets none, as in vLLM's default backend (xgrammar's strict mode). A
+    branch of allOf, anyOf or not is left open: closed, it would refuse the keys that the other
+    branches or the schema around it allow, and could match nothing. An integer without bounds
+    gets JSON's exact range, so its digits end. With strict, OpenAI's two rules for objects hold,
+    or a ValueError names the one broken (llguidance names keywords). A schema nested deeper than
+    llguidance reads is a ValueError too, before Python's own recursion limit is reached."""
+    def walk(node, path: str, depth: int, kind: str = "schema"):
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"is nested more than {MAX_SCHEMA_DEPTH} levels deep ({path[:40]}...)")
+        if kind == "value" or not isinstance(node, (dict, list)):
             return node
-        if names:                             # properties, $defs: each name's schema
-            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
-        out = {k: v if k in ("const", "enum", "default", "examples") else   # values, not schemas
-               walk(v, f"{path}/{k}", k in ("properties", "$defs")) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{path}/{i}", depth + 1, kind) for i, v in enumerate(node)]
+        if kind == "names":                   # each name's schema
+            return {k: walk(v, f"{path}/{k}", depth + 1) for k, v in node.items()}
+        out = {k: walk(v, f"{path}/{k}", depth + 1, _SCHEMA_KEYWORDS.get(k, "schema"))
+               for k, v in node.items()}
         if isinstance(out.get("properties"), dict):
             if strict and out.get("additionalProperties") is not False:
                 raise ValueError(f"is strict: an object needs additionalProperties false ({path})")
             if strict and set(out["properties"]) - set(out.get("required", [])):
                 raise ValueError(f"is strict: every property must be in required ({path})")
-            out.setdefault("additionalProperties", False)
+            if kind != "branch":
+                out.setdefault("additionalProperties", False)
         if out.get("type") == "integer":   # its own bounds win (an exclusive one holds beside)
             out = {"minimum": -2**53 + 1, "maximum": 2**53 - 1} | out
         return out
-    return walk(schema, "#")
+    return walk(schema, "#", 0)
 
 def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
@@ -2628,8 +2650,9 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # rank.
 # Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
 # all_reduce), ModelRunner.__init__ (start_workers, stopped_on_error, start_steps),
-# allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0), LLM.close
-# (stop_workers), run_engine_core (exit_on_worker_death, exit_on_failed_step).
+# allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0),
+# EngineCore.fail_running (stop_out_of_step), LLM.close (stop_workers), run_engine_core
+# (exit_on_worker_death, exit_on_failed_step).
 
 def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
@@ -2671,6 +2694,18 @@ def stopped_on_error(workers):
 def stop_workers(workers):
     """TensorParallelWorkers.close, where there are workers (LLM.close)."""
     if workers is not None:
+        workers.why_closed = TensorParallelWorkers.CLOSED
+        workers.close()
+
+def stop_out_of_step(workers, error: BaseException):
+    """After a step that raised on rank 0 (fail_running), Ctrl-C too: the workers may be inside
+    it still, in all-reduces rank 0 will never join, so the ranks are out of step for good. The
+    workers stop now. The next step then raises at once and says why (send), where it would
+    wait in a collective for gloo's 30 minutes. Behind a server, the engine core process then
+    ends (exit_on_failed_step)."""
+    if workers is not None and not workers.closed.is_set():
+        workers.why_closed = (f"this tensor-parallel engine stopped at a step that failed "
+                              f"({error!r}): its ranks were out of step. Start a new one")
         workers.close()
 
 def exit_on_worker_death(workers):
@@ -2680,9 +2715,8 @@ def exit_on_worker_death(workers):
         workers.exit_on_death = True
 
 def exit_on_failed_step(workers):
-    """In the engine core process, after a step that raised on rank 0: the workers
-    may be inside it still, in all-reduces rank 0 will never join, so the ranks are out of
-    step for good. The process ends as at a worker's death (close stops the workers)."""
+    """In the engine core process, after a step that raised on rank 0: the workers have
+    stopped (stop_out_of_step), so no step can run. The process ends as at a worker's death."""
     if workers is not None:
         sys.exit(1)
 
@@ -2726,6 +2760,8 @@ class TensorParallelWorkers:
     multiprocessing waits for its children. Neither it nor the watchdog holds self,
     so an LLM dropped without close is still collected, and closed."""
 
+    CLOSED = "this tensor-parallel engine is closed (LLM.close())"
+
     def __init__(self, cfg, make_runner):
         n, backend = cfg.tensor_parallel_size, _backend(cfg.device)
         if backend == "nccl" and torch.cuda.device_count() < n:
@@ -2741,6 +2777,7 @@ class TensorParallelWorkers:
         ctx = multiprocessing.get_context("spawn")
         self.pipes, self.procs, self.closed = [], [], threading.Event()
         self.error, self.started = "", False
+        self.why_closed = self.CLOSED      # what send says once closed (stop_out_of_step)
         self.exit_on_death = backend == "nccl"
         self.close = multiprocessing.util.Finalize(
             self, _close_workers, (self.pipes, self.procs, self.closed), exitpriority=100)
@@ -2763,7 +2800,7 @@ class TensorParallelWorkers:
 
     def send(self, plan):
         if self.closed.is_set():
-            raise RuntimeError("this tensor-parallel engine is closed (LLM.close())")
+            raise RuntimeError(self.why_closed)
         if self.error:
             raise RuntimeError(self.error)
         for pipe in self.pipes:
@@ -2855,11 +2892,15 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
 # Seams: Config._check (check_fp8), build_model (quantize_fp8_weights).
 
 def check_fp8(cfg: Config):
-    """fp8 on a GPU needs fp8 tensor cores (compute capability 8.9 or above: Ada, Hopper)."""
+    """fp8 on a GPU needs fp8 tensor cores (compute capability 8.9 or above: Ada, Hopper). On a
+    CPU it runs, slowly, and one line on stderr says so at start-up."""
     if cfg.quantization and cfg.device.startswith("cuda") and \
             torch.cuda.get_device_capability(cfg.device) < (8, 9):
         raise ValueError("quantization fp8 needs fp8 tensor cores (compute capability 8.9 "
                          "or above: Ada, Hopper); run this GPU without it")
+    if cfg.quantization and not cfg.device.startswith("cuda"):
+        print("fp8 weights on the CPU run the torch reference (pa.linear_fp8_ref), which widens "
+              "every weight at every step: several times slower than float32", file=sys.stderr)
 
 def quantize_fp8_weights(model: Model, cfg: Config):
     """Each decoder layer's nn.Linear weight to e4m3, with its scales (pa.quantize_fp8)."""
@@ -2941,8 +2982,13 @@ def _rule(ok, why: str):
     return rule
 
 _REQUIRED = _rule(lambda v, f: v is not None, "is required")
-# where the "strict" beside it asks, prepare_schema names the strict-mode rule a schema breaks
-_STRICT = _rule(lambda v, f: not (v and f.get("strict")) or bool(prepare_schema(v, True)), "")
+
+def _schema(v, f) -> Optional[dict]:
+    """A schema, checked by prepare_schema: a 400 names what it breaks, its depth or, where the
+    "strict" beside it asks, a rule of strict mode."""
+    if v is not None:
+        prepare_schema(v, f.get("strict") is True)
+    return v
 
 def _response_format(v, f) -> Optional[dict]:
     """The JSON schema that response_format asks the output to match, if any."""
@@ -2972,7 +3018,7 @@ _COMMON_FIELDS = dict(   # name: JSON type, or (JSON type, rule); {...}: an obje
     repetition_penalty=float, ignore_eos=bool, stream=bool,
     stream_options={"include_usage": bool, "include_obfuscation": bool},
     response_format=({"type": str, "json_schema": {"name": str, "description": str,
-                                                   "schema": (dict, _STRICT), "strict": bool}},
+                                                   "schema": (dict, _schema), "strict": bool}},
                      _response_format),
     user=str, metadata=dict, store=bool, service_tier=str)   # the last four change nothing
 COMPLETION_FIELDS = dict(_COMMON_FIELDS, prompt=(object, _prompt), echo=bool, logprobs=int,
@@ -2982,7 +3028,7 @@ CHAT_FIELDS = dict(_COMMON_FIELDS, messages=(list, _messages), logprobs=bool, to
     max_completion_tokens=int, parallel_tool_calls=bool,
     tools=[{"type": str, "function": ({"name": (str, _rule(lambda v, f: re.fullmatch(
         r"[a-zA-Z0-9_-]{1,64}", v or ""), "must be 1-64 of a-z, A-Z, 0-9, _ and - (OpenAI's)")),
-        "description": str, "parameters": (dict, _STRICT), "strict": bool}, _REQUIRED)}],
+        "description": str, "parameters": (dict, _schema), "strict": bool}, _REQUIRED)}],
     tool_choice=(object, _tool_choice))    # after tools: its rule reads them
 _FUNCTION_CHOICE = {"type": str, "function": ({"name": (str, _REQUIRED)}, _REQUIRED)}
 _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
@@ -3178,12 +3224,33 @@ class ServerMetrics:
 # Chapter: signals
 # Ctrl-C sends SIGINT to every process of the terminal's group: the server or the LLM's process,
 # the engine core, and the tensor-parallel workers alike. Only the parent acts on it. It stops its
-# children by closing their pipes, which they read as EOF. Two helpers keep that true at every
+# children by closing their pipes, which they read as EOF. Three helpers keep that true at every
 # moment of start-up. A child is born with SIGINT blocked (sigint_held), so that one still
 # importing torch prints no traceback. Its first step (follow_parent) ignores SIGINT and SIGTERM
 # and watches its parent, so that a parent that dies first, however it went, ends it at once.
-# Seams: EngineCoreClient (sigint_held) and run_engine_core (follow_parent); the tensor-parallel
-# workers use both alike.
+# While the engine core loads, it reads no pipe. So a server stopped then (child_stopped_on_error)
+# closes the engine core's outbox instead, which the engine core watches too, and it ends at
+# once with its workers.
+# Seams: EngineCoreClient (child_stopped_on_error, sigint_held) and run_engine_core
+# (follow_parent); the tensor-parallel workers use the last two alike.
+
+@contextlib.contextmanager
+def child_stopped_on_error(process, outbox):
+    """Around the server's start of the engine core, from its spawn to its ready message. If
+    Ctrl-C (or any error) breaks it off, the engine core stops at once, before the error goes
+    on. The server closes outbox, its end of the engine core's outputs. The engine core sees it
+    (follow_parent), and ends its workers and itself. One still importing torch watches nothing
+    yet, so it is killed after a second."""
+    try:
+        yield
+    except BaseException:
+        outbox.close()
+        if process.pid is not None:           # spawned
+            process.join(1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        raise
 
 @contextlib.contextmanager
 def sigint_held():
@@ -3210,21 +3277,29 @@ def sigint_held():
     if held:
         signal.raise_signal(signal.SIGINT)
 
-def follow_parent():
+def follow_parent(outbox=None):
     """First in a process spawned under sigint_held (the engine core, a tensor-parallel
     worker), whose parent stops it by closing its pipe. SIGINT and SIGTERM are the parent's to
     act on, so they are ignored here (a blocked one that waits is dropped with them). A parent
     that dies first, however it went (Ctrl-C while this child starts, SIGKILL), ends this
     process at once, by _exit_with: no one would read its pipe again, and on a GPU a collective
-    waiting for a dead rank 0 never returns."""
+    waiting for a dead rank 0 never returns. The engine core also watches its outbox, which a
+    server stopped during its start-up closes (child_stopped_on_error)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process().sentinel,),
-                     name="nanoserve-parent-watch", daemon=True).start()
+    ends = [multiprocessing.parent_process().sentinel, *([outbox] if outbox is not None else [])]
+    threading.Thread(target=_exit_with, args=(ends,), name="nanoserve-parent-watch",
+                     daemon=True).start()
 
-def _exit_with(sentinel):
-    multiprocessing.connection.wait([sentinel])    # readable once the parent has exited
+def _exit_with(ends):
+    """Waits until the parent has exited (its sentinel turns readable) or the outbox's reader is
+    gone (a pipe's sending end then turns ready, with an error). Then it kills this process's
+    children, a tensor-parallel rank 0's workers, since one still importing torch would not see
+    its parent's death until the import ends. Then this process exits."""
+    multiprocessing.connection.wait(ends)
+    for child in multiprocessing.active_children():
+        child.kill()
     os._exit(1)
 
 if __name__ == "__main__":

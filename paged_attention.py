@@ -1495,13 +1495,22 @@ def _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged):
     return [_gather_tokens(c, slots).transpose(1, 2) for c in (k_cache, v_cache)]
 
 
+_threads_set = {}   # the count set_cpu_threads last set -> torch's count before it
+
+
 def set_cpu_threads(num_threads=0):
     """torch's threads on the CPU: num_threads, or this rank's share of the cores the engine may
     use. torch counts physical cores, not the CPUs a container or taskset grants, and extra
-    threads only contend. (macOS has no affinity mask.)"""
+    threads only contend. (macOS has no affinity mask.) A count this function set is an earlier
+    engine's share, so each engine starts from torch's count before that."""
     affinity = getattr(os, "sched_getaffinity", None)
-    cpus = min(torch.get_num_threads(), len(affinity(0)) if affinity else os.cpu_count())
-    torch.set_num_threads(num_threads or max(1, cpus // tensor_parallel_size()))
+    cores = torch.get_num_threads()
+    cores = _threads_set.get(cores, cores)
+    cpus = min(cores, len(affinity(0)) if affinity else os.cpu_count())
+    n = num_threads or max(1, cpus // tensor_parallel_size())
+    _threads_set.clear()
+    _threads_set[n] = cores
+    torch.set_num_threads(n)
 
 
 def store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping):

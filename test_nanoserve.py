@@ -341,6 +341,54 @@ def test_failed_sample_keeps_what_the_step_read_back(smol_llm, monkeypatch):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_failed_launch_keeps_what_the_step_before_sampled(smol_llm, monkeypatch):
+    """Step N+1 is launched before step N is read back. If that launch raises, a request that
+    step N finished (A, one token, not in step N+1) still ends as it should, "length" with its
+    token; only B, which step N+1 runs, ends in error."""
+    runner, calls = smol_llm.engine.runner, []
+    launch = runner.launch
+
+    def launch_failing_the_second_time(batch, prev=None):
+        calls.append(batch)
+        if len(calls) == 2:
+            assert [s.params.max_tokens for s in batch.seqs] == [5]   # B alone
+            raise RuntimeError("injected failure")
+        return launch(batch, prev)
+    monkeypatch.setattr(runner, "launch", launch_failing_the_second_time)
+    a, b = [smol_llm.add(smol_llm.front.encode(p), ns.SamplingParams(
+        temperature=0, max_tokens=n, ignore_eos=True)) for p, n in zip(SMOL_PROMPTS, (1, 5))]
+    with pytest.raises(RuntimeError, match="injected failure"):
+        for _ in smol_llm.run():
+            pass
+    assert (a.finish_reason, len(a.token_ids)) == ("length", 1), (a.finish_reason, a.error)
+    assert b.finish_reason == "error" and "injected failure" in b.error
+    check_pool_is_free(smol_llm.engine)
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("injected failure"), KeyboardInterrupt()])
+def test_failed_generate_ends_its_waiting_requests(smol_llm, monkeypatch, failure):
+    """A generate whose step raises, or that Ctrl-C stops, ends every one of its requests,
+    running or waiting (two seats: two of four wait). The next generate runs only its own."""
+    engine, launch, calls = smol_llm.engine, smol_llm.engine.runner.launch, []
+
+    def launch_failing_the_second_time(batch, prev=None):
+        calls.append(batch)
+        if len(calls) == 2:
+            raise failure
+        return launch(batch, prev)
+    monkeypatch.setattr(engine.runner, "launch", launch_failing_the_second_time)
+    monkeypatch.setattr(engine.cfg, "max_num_seqs", 2)
+    with pytest.raises(type(failure)):
+        smol_llm.generate(SMOL_PROMPTS, ns.SamplingParams(temperature=0, max_tokens=8))
+    assert len(engine.scheduler.waiting) == 0 and not engine.has_unfinished()
+    check_pool_is_free(engine)
+    monkeypatch.undo()
+    before = smol_llm.stats()["generated_tokens_total"]
+    [out] = smol_llm.generate(SMOL_PROMPTS[0], ns.SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out.token_ids) == 5
+    assert smol_llm.stats()["generated_tokens_total"] - before == 5
+
+
 def test_stop_strings_and_tokens(smol_llm):
     base = smol_llm.generate(["1, 2, 3, 4,"], GREEDY)[0]
     assert " 5, 6" in base.text
@@ -959,6 +1007,30 @@ def test_bad_input_is_a_clear_value_error(smol_llm, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         ns.LLM(str(tmp_path / "nope"))
     check_pool_is_free(smol_llm.engine)
+
+
+def test_a_missing_model_gets_the_hint_for_it(tmp_path, monkeypatch):
+    """A missing model folder's error says how to get that model: download.py alone makes the
+    default one, and download.py ORG/NAME any other, never the default for another."""
+    missing = str(tmp_path / "Llama-3.2-1B")
+    with pytest.raises(ValueError) as e:
+        Config(model=missing)
+    assert "`python download.py ORG/NAME` puts a hub model in weights/NAME" in str(e.value)
+    monkeypatch.setattr(ns, "DEFAULT_MODEL", missing)
+    with pytest.raises(ValueError, match=r"\(run `python download.py`\)$"):
+        Config(model=missing)
+
+
+def test_fp8_on_the_cpu_says_it_is_slow(capsys):
+    """fp8 weights on the CPU run, and one line at start-up says which path and that it is
+    slow; the default path says nothing."""
+    ensure_smol()
+    Config(model=DEFAULT_MODEL, device="cpu", quantization="fp8")
+    err = capsys.readouterr().err
+    assert err.startswith("fp8 weights on the CPU run the torch reference") and \
+        "slower than float32" in err and err.count("\n") == 1, err
+    Config(model=DEFAULT_MODEL, device="cpu")
+    assert capsys.readouterr().err == ""
 
 
 def test_hub_copy_of_the_default_model_gets_its_own_folder(tmp_path, monkeypatch):
@@ -2230,6 +2302,25 @@ def test_stop_string_inside_a_forced_call(client):
     assert r.finish_reason == "tool_calls" and check_weather_call(r.message.tool_calls[0])
 
 
+def test_held_forced_call_is_aborted_when_its_client_leaves(server):
+    """A non-streamed forced call with `stop` is held to its end (hold), yet a client that
+    leaves still has its request aborted within a step or so, not run to max_tokens. The call
+    cannot end before: its grammar asks for 400 numbers."""
+    numbers = {"type": "function", "function": {"name": "record", "parameters": {
+        "type": "object", "required": ["numbers"], "properties": {"numbers": {
+            "type": "array", "items": {"type": "integer"}, "minItems": 400}}}}}
+    tokens = "nanoserve_generated_tokens_total"
+    before = wait_idle(server)[tokens]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", timeout=2, json={
+            "messages": [{"role": "user", "content": "Record some numbers."}],
+            "tools": [numbers], "tool_choice": {"type": "function", "function": {
+                "name": "record"}}, "stop": ["zzz"], "temperature": 0, "max_tokens": 300})
+    num_generated = wait_idle(server, timeout=60)[tokens] - before
+    print(f"{num_generated} tokens generated")
+    assert 0 < num_generated < 200
+
+
 def test_tool_parameters_with_defs(client, engine):
     """Tools whose parameters are nested pydantic models ($defs and $ref, two tools with a
     model of the same name): the grammar resolves each tool's own $defs, and a forced call
@@ -2322,6 +2413,55 @@ def test_strict_schema_that_breaks_a_rule_is_a_400(server):
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": unique, "strict": True}}})
     assert "uniqueItems" in assert_error(r, 400)["message"]
+
+
+def test_schema_nested_too_deep_is_a_400(server, capfd):
+    """A schema nested 250 deep, in response_format or in a tool's parameters, strict or not:
+    a 400 that names the field and the depth, and no traceback in the log (prepare_schema
+    recursed into a RecursionError, a 500)."""
+    schema = {"type": "string"}
+    for _ in range(250):
+        schema = {"type": "object", "properties": {"a": schema}}
+    capfd.readouterr()
+    for strict in (False, True):
+        for fields, param in [
+                ({"response_format": {"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": schema, "strict": strict}}},
+                 "response_format.json_schema.schema"),
+                ({"tools": [{"type": "function", "function": {
+                    "name": "f", "parameters": schema, "strict": strict}}],
+                  "tool_choice": "required"}, "tools[0].function.parameters")]:
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+            error = assert_error(r, 400)
+            assert error["param"] == param and "nested more than 128" in error["message"], error
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "RecursionError" not in err, err[-2000:]
+
+
+def test_schema_definitions_are_names_and_branches_stay_open(smol_llm):
+    """draft-07's definitions is a map of names, as $defs is: a definition named like a
+    keyword is a schema, closed like any other, and no rule of strict mode reads the map
+    itself. A branch of allOf, anyOf or not gets no additionalProperties: closed, two allOf
+    branches that ask for a key each could match nothing."""
+    obj = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    closed = {**obj, "additionalProperties": False}
+    schema = {"definitions": {"default": obj, "properties": obj}, "$ref": "#/definitions/default"}
+    assert ns.prepare_schema(schema) == {**schema, "definitions": {"default": closed,
+                                                                   "properties": closed}}
+    strict = {"definitions": {"properties": closed}, "$ref": "#/definitions/properties"}
+    assert ns.prepare_schema(strict, strict=True) == strict
+    a, b = ({"type": "object", "properties": {k: obj}, "required": [k]} for k in "ab")
+    schema = {"allOf": [a, b], "anyOf": [a, b], "not": {"properties": {"c": obj}}}
+    inner = {k: {"type": "object", "properties": {k: closed}, "required": [k]} for k in "ab"}
+    assert ns.prepare_schema(schema) == {"allOf": [inner["a"], inner["b"]],
+                                         "anyOf": [inner["a"], inner["b"]],
+                                         "not": {"properties": {"c": closed}}}
+    tokenizer = llguidance.LLTokenizer(os.path.join(SMOL_DIR, "tokenizer.json"))
+    grammar = smol_llm.front.grammar(json.dumps({"allOf": [a, b]}))
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    text = '{"a":{"x":"1"},"b":{"x":"2"}}'
+    assert matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
 
 
 def test_responses_api_gets_an_error_that_says_why(server, client):
@@ -2965,6 +3105,21 @@ def test_cpu_threads_are_shared_among_the_ranks(monkeypatch):
     assert got == {(1, 0): 12, (3, 0): 4, (5, 0): 2, (16, 0): 1, (3, 2): 2}, got
 
 
+def test_each_engine_starts_from_the_machines_cores(monkeypatch):
+    """The count an engine sets is not the next engine's start: after a rank's share at 3
+    ranks, or a num_threads given, an engine with num_threads 0 at one rank takes every core."""
+    threads = [16]                                   # torch's own count: 16 physical cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.__setitem__(0, n))
+    got = []
+    for size, given in [(3, 0), (1, 0), (1, 2), (1, 0), (3, 0), (3, 0)]:
+        monkeypatch.setattr(pa, "tensor_parallel_size", lambda: size)
+        pa.set_cpu_threads(given)
+        got.append(threads[0])
+    assert got == [4, 12, 2, 12, 4, 4], got
+
+
 def fail_a_layer_once(core):
     """Runs inside the engine core process (EngineCoreClient's `setup`): rank 0's layer 10
     raises in the first step, between that step's all-reduces, so the workers stay inside it."""
@@ -2998,6 +3153,40 @@ def test_tensor_parallel_failed_step_ends_the_engine_core():
     finally:
         srv.stop()
         client.shutdown()
+
+
+def _tp_failed_step(queue):
+    """In-process LLM at TP ranks whose layer 10 raises once on rank 0: generate twice, each
+    reported with its error and time, then the workers' PIDs."""
+    llm = ns.LLM(DEFAULT_MODEL, device="cpu", num_blocks=64, num_threads=1,
+                 tensor_parallel_size=TP)
+    fail_a_layer_once(llm.engine)
+    greedy = ns.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for _ in range(2):
+        start = time.time()
+        try:
+            llm.generate(TP_PROMPTS, greedy)
+            queue.put(("no error", time.time() - start))
+        except Exception as e:
+            queue.put((f"{type(e).__name__}: {e}", time.time() - start))
+    queue.put([p.pid for p in llm.engine.runner.workers.procs])
+    llm.close()
+
+
+def test_tensor_parallel_llm_after_a_failed_step_raises_at_once():
+    """An in-process LLM at 3 ranks whose step raised on rank 0, midway through the forward
+    pass: the ranks are out of step, so its workers stop. The next generate raises at once and
+    says why, where it waited in broadcast_from_rank0 for gloo's 30 minutes."""
+    ensure_smol()
+    queue = torch.multiprocessing.get_context("spawn").Queue()
+    run_processes(_tp_failed_step, [(queue,)], timeout=60)
+    first, second, pids = (queue.get(timeout=10) for _ in range(3))
+    print(first, second, sep="\n")
+    assert first[0] == "RuntimeError: injected failure"
+    assert second[0].startswith("RuntimeError: this tensor-parallel engine stopped at a step "
+                                "that failed (RuntimeError('injected failure'))"), second
+    assert second[1] < 2, second
+    wait_exited(pids, 1)
 
 
 def _tp_start_up_error_and_close(queue):
@@ -3134,6 +3323,62 @@ def test_serve_ctrl_c_while_the_engine_core_starts():
         print(f"Ctrl-C while {when}: exit code {code} after {took:.1f} s")
         assert "Traceback" not in err, err
         assert code == 130 and took < 15, (code, took)
+
+
+def children_of(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def ignores_sigint(pid: int) -> bool:
+    """Whether process pid ignores SIGINT (its SigIgn mask in /proc), as follow_parent makes
+    the engine core and the workers do."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    except FileNotFoundError:
+        return False
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+def test_serve_ctrl_c_while_the_engine_core_loads():
+    """Ctrl-C on `serve --tensor-parallel-size 3` once the engine core ignores SIGINT: while
+    its workers import torch, and once they ignore SIGINT too and load. The server exits with
+    code 130 within 3 s, without a traceback, and every process it started is gone 3 s later,
+    none having loaded its weights. (The server waited at exit until every rank had loaded.)"""
+    server_config()                                  # skips without the default model
+    import subprocess
+    for when in ("importing", "loading"):
+        proc = subprocess.Popen(
+            [sys.executable, "nanoserve.py", "serve", "--device", "cpu", "--port", str(free_port()),
+             "--tensor-parallel-size", str(TP), "--num-threads", "1"],
+            cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            moment, deadline = False, time.time() + 60
+            while not moment and time.time() < deadline:
+                time.sleep(0.005)
+                core = [c for c in children_of(proc.pid) if len(children_of(c)) == TP - 1]
+                workers = children_of(core[0]) if core else []
+                moment = bool(workers) and ignores_sigint(core[0]) and \
+                    any(map(ignores_sigint, workers)) == (when == "loading")
+            assert moment, f"no engine core with workers {when}"
+            os.killpg(proc.pid, signal.SIGINT)
+            sent = time.time()
+            code = proc.wait(timeout=30)
+            took = time.time() - sent
+            wait_exited(in_session(proc.pid), 3)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        err = proc.stderr.read().decode()
+        print(f"Ctrl-C while the workers are {when}: exit code {code} after {took:.1f} s")
+        assert "Traceback" not in err and "loaded" not in err, err
+        assert code == 130 and took < 3, (code, took)
 
 
 TP_CUDA_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(200, 290))]
