@@ -2073,10 +2073,13 @@ def main(argv=None):
 #   device moves it back by the drafts step N rejected (follow_accepted_drafts). Its input becomes
 #   the token sampled after the last kept draft. Its positions, slots and context length move
 #   back by the count rejected. When step N is read back, accept rewinds the host to match.
+# On the CPU the host runs the forward pass itself, so there is nothing to hide. There a step
+# after one that drafted reads it back first, and drafts on no guess.
 # Seams: Config._check (k <= 15: a verify chunk fits the 16-token graph), Sequence (ngrams,
 # guessed), ScheduledBatch.draft_token_ids, Scheduler.__init__ and schedule (add_drafts),
 # ModelRunner._flatten (the drafts follow a row's newest token, and each row samples), prepare
-# (follow_accepted_drafts), EngineCore.step (reads_back_first: with tensor parallelism only),
+# (follow_accepted_drafts), EngineCore.step (reads_back_first: on the CPU, or with tensor
+# parallelism),
 # EngineCore._commit (accept), EngineCore.stats.
 
 class NgramIndex:
@@ -2119,7 +2122,12 @@ class Speculation:
 
     def __init__(self, cfg: Config, scheduler: Scheduler):
         self.cfg, self.scheduler = cfg, scheduler
-        self.in_flight = {}       # the drafts of the step scheduled last, by sequence
+        self.in_flight = {}       # the drafts of the step scheduled last, by sequence (on the
+                                  # device while the next step is scheduled)
+        # Whether rows follow a drafting step on the device (the opening), or that step is read
+        # back first. Not on the CPU, where the forward pass is the host's and nothing runs
+        # ahead to hide; nor across tensor-parallel ranks, which lay out their own inputs.
+        self.follows_on_device = cfg.device != "cpu" and cfg.tensor_parallel_size == 1
         self.num_draft_tokens = self.num_accepted_tokens = 0
 
     speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens
@@ -2134,22 +2142,20 @@ class Speculation:
         """Give the decoding rows of a scheduled batch their drafts. This runs once every row has
         its own tokens, so drafts take only the budget and the free blocks left. A draft never
         preempts a row or keeps one from running (Config's promise)."""
-        in_flight, self.in_flight = self.in_flight, batch.draft_token_ids
-        if not self.speculates:
-            return
-        free = self.scheduler.allocator.num_free_blocks
-        for i, seq in enumerate(batch.seqs):
-            drafts = self.draft(seq, min(budget, self.cfg.num_speculative_tokens), in_flight)
-            while drafts and self.scheduler._num_blocks_needed(seq, 1 + len(drafts)) > free:
-                drafts.pop()                      # the blocks they need must be free already
+        for i, seq in enumerate(batch.seqs if self.speculates else []):
+            drafts = self.draft(seq, min(budget, self.cfg.num_speculative_tokens))
+            sched = self.scheduler     # the blocks drafts need must be free already
+            while drafts and sched._num_blocks_needed(seq, 1 + len(drafts)) > \
+                    sched.allocator.num_free_blocks:
+                drafts.pop()
             if drafts:
-                free -= self.scheduler._num_blocks_needed(seq, 1 + len(drafts))
-                self.scheduler._reserve_blocks(seq, 1 + len(drafts))
+                sched._reserve_blocks(seq, 1 + len(drafts))
                 batch.draft_token_ids[seq] = drafts
                 batch.num_new_tokens[i] += len(drafts)
                 budget -= len(drafts)
+        self.in_flight = batch.draft_token_ids
 
-    def draft(self, seq: Sequence, k: int, in_flight: dict) -> list:
+    def draft(self, seq: Sequence, k: int) -> list:
         """Up to k drafts for seq, if it decodes. Accepting them all stays within the length
         limits, counting its pending tokens as if the step before keeps every draft."""
         num_tokens = seq.num_tokens + seq.num_pending_tokens
@@ -2158,26 +2164,25 @@ class Speculation:
         k = min(k, self.cfg.max_model_len - num_tokens - 1,
                 seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1)
         seq.ngrams.extend(seq.token_ids)
-        guess = self.guess_pending(seq, in_flight)
+        guess = self.guess_pending(seq)
         seq.guessed = (seq.num_tokens, guess)
         return seq.ngrams.propose(seq.token_ids + guess, k) if k > 0 and guess is not None else []
 
-    def guess_pending(self, seq: Sequence, in_flight: dict) -> Optional[list]:
+    def guess_pending(self, seq: Sequence) -> Optional[list]:
         """The host's guess of seq's pending tokens: [] when it has none. Else the drafts of the
         step still on the device, if they were drafted on a guess that came true, then what the
         lookup says follows them. None when the lookup has nothing to say."""
         if seq.num_pending_tokens == 0:
             return []
         at, guessed = seq.guessed          # what the last draft assumed after token_ids[:at]
-        kept = in_flight.get(seq, []) if seq.token_ids[at:] == guessed else []
+        kept = self.in_flight.get(seq, []) if seq.token_ids[at:] == guessed else []
         last = seq.ngrams.propose(seq.token_ids + kept, 1)
         return kept + last if last else None
 
     def reads_back_first(self, prev: LaunchedStep) -> bool:
-        """Whether EngineCore.step reads prev back before it launches the next step: only with
-        tensor parallelism, after a step that drafted. Its ranks lay out their own inputs from
-        rank 0's plan, and cannot follow the accepted drafts on the device."""
-        return self.cfg.tensor_parallel_size > 1 and bool(prev.batch.draft_token_ids)
+        """Whether EngineCore.step reads prev back before it launches the next step: after a
+        step that drafted, where rows do not follow it on the device (follows_on_device)."""
+        return not self.follows_on_device and bool(prev.batch.draft_token_ids)
 
     def accept(self, seq: Sequence, row: tuple, rows, step: LaunchedStep, after) -> tuple:
         """The rows EngineCore._commit appends for seq, whose first sampled row in `step` is
@@ -2196,7 +2201,7 @@ class Speculation:
             self.num_accepted_tokens += num_kept
             num_rejected = len(drafts) - num_kept
             seq.num_computed_tokens -= num_rejected
-            if after is not None and after is not step:
+            if after is not None and after is not step:   # its seeds follow the device's move
                 after.positions = [p - num_rejected * (s is seq)
                                    for s, p in zip(after.seqs, after.positions)]
             num_blocks = -(-seq.num_computed_tokens // self.cfg.block_size)   # ceil

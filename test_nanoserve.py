@@ -618,12 +618,14 @@ def test_seeded_draws_ignore_drafts_and_batch(smol_llm):
     p = ns.SamplingParams(temperature=0.8, max_tokens=24, seed=1234, ignore_eos=True)
     prompt = COPY_PROMPTS[0]
     off = smol_llm.generate([prompt], p)[0].token_ids
-    alone = spec.generate([prompt], p)[0].token_ids
-    assert spec.stats()["spec_decode_num_accepted_tokens_total"] > 0
     others = [ns.SamplingParams(temperature=0.8, max_tokens=24, seed=i) for i in range(17)]
-    batched = spec.generate(COPY_PROMPTS * 6, [p] + others)[0].token_ids
-    print(smol_llm.front.decode(alone))
-    assert alone == batched == off
+    for follows in (False, True):        # a drafting step read back first, or followed (GPU)
+        spec.engine.scheduler.speculation.follows_on_device = follows
+        alone = spec.generate([prompt], p)[0].token_ids
+        batched = spec.generate(COPY_PROMPTS * 6, [p] + others)[0].token_ids
+        print(smol_llm.front.decode(alone))
+        assert alone == batched == off
+    assert spec.stats()["spec_decode_num_accepted_tokens_total"] > 0
     check_pool_is_free(spec.engine)
 
 
@@ -656,11 +658,12 @@ def test_drafts_never_starve_a_running_row(smol_llm, monkeypatch):
 
 
 def test_drafts_keep_the_one_ahead_overlap(smol_llm):
-    """No step reads the step before back before it launches the next, with drafts on: not for
-    rows that cannot draft (a penalty), which draft nothing, nor for rows that draft and keep
-    drafts. A read-back-first step is one whose step before is read while it is still the last
-    launched."""
+    """No step reads the step before back before it launches the next, with drafts on and rows
+    following them on the device (as on a GPU): not for rows that cannot draft (a penalty),
+    which draft nothing, nor for rows that draft and keep drafts. A read-back-first step is one
+    whose step before is read while it is still the last launched."""
     spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, num_speculative_tokens=4)
+    spec.engine.scheduler.speculation.follows_on_device = True    # as on a GPU
     engine, read_first = spec.engine, []
     commit = engine._commit
     def spy(step):
@@ -702,8 +705,10 @@ def test_any_drafts_keep_fp32_greedy(tiny, device, eager, monkeypatch):
         return [t if (n + i) % 3 else (t + 1) % 512 for i, t in enumerate(whole[n:n + k])]
     monkeypatch.setattr(ns.NgramIndex, "propose", oracle)
     spec = ns.LLM(path, num_speculative_tokens=4, **settings)
-    assert [o.token_ids for o in spec.generate(prompts, params)] == ref
-    assert [spec.generate([p], params)[0].token_ids for p in prompts] == ref
+    for follows in (False, True):   # on the CPU too, rows may follow drafts on the device
+        spec.engine.scheduler.speculation.follows_on_device = follows or device == "cuda"
+        assert [o.token_ids for o in spec.generate(prompts, params)] == ref
+        assert [spec.generate([p], params)[0].token_ids for p in prompts] == ref
     stats = spec.stats()
     drafted, accepted = (stats[f"spec_decode_num_{k}_tokens_total"] for k in ("draft", "accepted"))
     print(f"{device} eager {eager}: drafted {drafted}, accepted {accepted}")
