@@ -1480,6 +1480,26 @@ def _verify_step_seconds(llm, B, ctx, k, iters=20):
     return seconds
 
 
+def _loop_step_seconds(llm, ctx, k, new_tokens=128):
+    """Mean seconds of one engine step at batch 1 in the step loop (the one-ahead overlap as the
+    engine runs it): a ctx-token prompt, then new_tokens greedy tokens, each step drafting k
+    tokens (repeats of the newest, which a random model rejects) or none."""
+    import nanoserve as ns
+    engine, propose = llm.engine, ns.NgramIndex.propose
+    prompt = [(13 * j) % min(5000, engine.cfg.vocab_size - 7) + 7 for j in range(ctx)]
+    ns.NgramIndex.propose = lambda self, token_ids, n: [token_ids[-1]] * n
+    engine.cfg.num_speculative_tokens, k0 = k, engine.cfg.num_speculative_tokens
+    try:
+        best = math.inf
+        for _ in range(3):
+            steps = engine.scheduler.num_steps
+            seconds, _ = timed(lambda: nanoserve_generate(llm, [prompt], new_tokens), engine.cfg.device)
+            best = min(best, seconds / (engine.scheduler.num_steps - steps - 1))  # less the prompt's
+    finally:
+        ns.NgramIndex.propose, engine.cfg.num_speculative_tokens = propose, k0
+    return best
+
+
 def _kernel_times(llm, B, k, ctx):
     """Device time per kernel group of one step (decode or verify) at batch B, microseconds."""
     from torch.profiler import ProfilerActivity, profile
@@ -1514,6 +1534,11 @@ def spec_gpu(args, model_dir):
             decode, verify = min(p[0] for p in pairs), min(p[1] for p in pairs)
             report("nanoserve", f"verify step B={B} k={drafts} ctx={args.context}",
                    decode_ms=1e3 * decode, verify_ms=1e3 * verify, ratio=verify / decode)
+    # -- in the step loop at batch 1: every step drafts k tokens that the model rejects --
+    for turn in range(2):
+        off, on = _loop_step_seconds(llm, args.context, 0), _loop_step_seconds(llm, args.context, k)
+        report("nanoserve", f"step loop B=1 k={k} ctx={args.context} turn {turn}",
+               decode_ms=1e3 * off, verify_ms=1e3 * on, ratio=on / off)
     for drafts in (0, k):
         groups = _kernel_times(llm, 1, drafts, args.context)
         log(f"batch 1, {'decode' if drafts == 0 else f'verify k={drafts}'} step, device us by kernel: "

@@ -1129,7 +1129,7 @@ class EngineCore:
         A sequence whose pending token is its last, by length, is not scheduled again
         (Scheduler._ends_when_read): reading that token back ends it."""
         prev, self.committed = self.launched, []
-        # chapter: speculative decoding (False but with tensor-parallel ranks, after drafts)
+        # chapter: speculative decoding (False but after drafts, on the CPU or tensor-parallel)
         if prev is not None and self.scheduler.speculation.reads_back_first(prev):
             self.committed, prev = self._commit(prev), None
         try:
