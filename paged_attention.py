@@ -223,19 +223,22 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None,
     Two of nanoserve's chapters enter here, one line each. `all_reduce` marks
     a row-parallel matmul, summed over the tensor-parallel ranks
     (row_parallel_linear). An fp8 weight carries its scales (quantize_fp8):
-    the GEMV reads it as it is, and a larger batch takes linear_fp8."""
+    the GEMV reads it as it is, a larger batch in bf16 on the GPU takes
+    linear_fp8, and any other widens the weight as it goes (linear_fp8_ref:
+    correct, and slower than the model's own dtype)."""
     if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
         return row_parallel_linear(x, weight, norm, silu_mul, residual)
     norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     scale = weight.scale if weight.dtype == FP8 else None     # fp8 weights: (N,) fp32
     if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
-    if scale is not None:                                     # fp8 weights
-        return linear_fp8(x, weight, norm_weight, eps, silu_mul, residual)
-    if silu_mul:
-        x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
-    x = x if norm is None else norm(x)
-    y = F.linear(x, weight)                                   # (N_tok, N)
+    if scale is not None and x.is_cuda and x.dtype == torch.bfloat16:   # fp8 tensor cores
+        y = linear_fp8(x, weight, norm_weight, eps, silu_mul)          # (N_tok, N)
+    else:
+        if silu_mul:
+            x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
+        x = x if norm is None else norm(x)
+        y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)  # (N_tok, N)
     return y if residual is None else residual + y
 
 
@@ -1326,23 +1329,15 @@ def quantize_rows(x, norm_weight=None, eps=0.0, silu_mul=False):  # (M, K) -> (M
     return q, scale
 
 
-
-def linear_fp8(x, weight, norm_weight, eps, silu_mul, residual):  # (N_tok, K) -> (N_tok, N)
-    """linear for an fp8 weight past batch 1 (GEMV_MAX_ROWS). On the GPU in bf16 it takes the
-    fp8 tensor cores (torch._scaled_mm): x is quantized too, one scale per token (per row), in
+def linear_fp8(x, weight, norm_weight, eps, silu_mul):  # (N_tok, K) -> (N_tok, N)
+    """f(x) @ weight.T for an fp8 weight past batch 1 (GEMV_MAX_ROWS), on the GPU in bf16: the
+    fp8 tensor cores (torch._scaled_mm). x is quantized too, one scale per token (per row), in
     one launch that also applies f (quantize_rows), and _scaled_mm multiplies by both scales on
-    its way out. The CPU, and dtypes other than bf16, compute with the weights widened
-    (linear_fp8_ref): correct, and slower than the model's own dtype."""
-    if x.is_cuda and x.dtype == torch.bfloat16:
-        xq, x_scale = quantize_rows(x, norm_weight, eps, silu_mul)   # (N_tok, K) e4m3, (N_tok, 1)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight.scale[None],
-                             out_dtype=x.dtype)                      # (N_tok, N)
-    else:
-        if silu_mul:
-            x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
-        x = x if norm_weight is None else norm(x, norm_weight, eps)
-        y = linear_fp8_ref(x, weight, weight.scale)                     # (N_tok, N)
-    return y if residual is None else residual + y
+    its way out. linear adds the residual."""
+    xq, x_scale = quantize_rows(x, norm_weight, eps, silu_mul)   # (N_tok, K) e4m3, (N_tok, 1)
+    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight.scale[None],
+                            out_dtype=x.dtype)                   # (N_tok, N)
+
 
 # ----------------------------------------------------------------------------
 # RoPE fused into the KV store
