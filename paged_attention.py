@@ -19,9 +19,8 @@ owns in order. This file holds the kernels that touch that pool:
                              channel, and a batch's activations quantized per
                              token for torch._scaled_mm (linear chooses)
     norm, linear, ATTENTION  which of these (or of the torch versions) the
-                             engine calls: norm and linear chosen in the
-                             first section with the sampler's argmax_rows and
-                             apply_token_mask, ATTENTION in the last
+                             engine calls, chosen in the first section
+                             (ATTENTION in the last)
     cuda_graph_sizes, graph_key
                              which CUDA graphs are captured, and which one
                              replays a step
@@ -84,16 +83,14 @@ import triton.language as tl
 # implementation to these. Then the one place where the engine's implementation
 # of each step is chosen: nanoserve's layers call `norm` and `linear` (on the
 # GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch
-# references on the CPU); the sampler `argmax_rows` (a reduction split for a
-# lone row's sake), `apply_token_mask`, `apply_logit_edits` with its host half
-# `logit_edit_entries` (sparse edits, not a dense bias tensor) and
-# `apply_top_k_top_p` (a sort, then two cuts of the sorted row); the model
-# runner `to_device`, `put`, `cuda_graph_sizes` and `set_cpu_threads` (in the
-# CPU path's section); and each Attention layer one
-# (rope_store, attend) pair of ATTENTION: rope_store rotates q in place and
-# writes the rotated k and v into the pool, attend reads the pool through the
-# step's AttentionMetadata (as decode when every sequence brings one token).
-# ATTENTION closes this file, since it names the kernels in between.
+# references on the CPU); the sampler `argmax_rows`, `apply_token_mask`,
+# `apply_logit_edits` with its host half `logit_edit_entries`, and
+# `apply_top_k_top_p`; the model runner `to_device`, `put`, `cuda_graph_sizes`
+# and `set_cpu_threads` (in the CPU path's section); and each Attention layer
+# one (rope_store, attend) pair of ATTENTION (the last section): rope_store
+# rotates q in place and writes the rotated k and v into the pool, attend reads
+# the pool through the step's AttentionMetadata (as decode when every sequence
+# brings one token).
 
 
 def _gather_kv_ref(cache, block_table, L):
@@ -731,9 +728,8 @@ def _decode_num_splits(B, n_kv, max_tiles, device):
     """Splits per sequence, from static shapes only (no host sync, graph-safe).
 
     Aim for two programs per SM, but never more splits than the widest context
-    the block table can hold has tiles. The kernel divides each sequence's
-    true length among the splits; a split past the end of a short context
-    returns at once. A power of two, to bound the number of compiled variants.
+    the block table can hold has tiles (the kernel's docstring says how a short
+    context uses fewer). A power of two, to bound the compiled variants.
     """
     want = triton.cdiv(DECODE_PROGRAMS_PER_SM * _num_sms(device), B * n_kv)
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_tiles), DECODE_MAX_SPLITS)
