@@ -2392,7 +2392,6 @@ def compile_grammar(front: FrontEnd, source: str, lark: bool = False) -> str:
         raise ValueError(f"the schema cannot be compiled: {error}")
     return grammar
 
-
 async def request_grammar(server: OpenAIServer, source, field: str = "response_format"):
     """The grammar of a JSON schema or of Lark text, compiled in a thread (FrontEnd.grammar); None
     without a source ({} is one: any JSON value). A bad one is a 400 that names the field."""
@@ -2481,7 +2480,6 @@ class GrammarMasks:
 
     def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
         import llguidance.numpy                       # only where grammars are served
-        self.llg = llguidance
         self.num_threads = min(16, max(1, (os.cpu_count() or 2) - 1))
         self.executor = functools.cache(lambda: llguidance.LLExecutor(self.num_threads))
         self.tokenizer = functools.cache(lambda: llguidance.LLTokenizer(   # built on first use
@@ -2508,27 +2506,23 @@ class GrammarMasks:
         """For ModelRunner.sample: a Future of pa.apply_token_mask's rows and bitmasks (what
         their matchers allow next), or None if no row has a grammar (one check per row)."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
-        if not rows:
-            return None
-        return self.fill_async([seqs[row].matcher.result() for row in rows], rows, device)
+        return self.fill_async([seqs[row].matcher.result() for row in rows], rows, device) \
+            if rows else None
 
     def fill_async(self, matchers, rows, device):
-        """fill on a thread of its own, then both copies queued: a Future of (rows, bitmask) on
-        the device, apply_token_mask's arguments (the default stream: the sampler's, after)."""
+        """A Future of apply_token_mask's arguments, (rows, bitmask) on the device. On a thread of
+        its own, what each matcher allows next fills a (R, cdiv(V, 32)) int32 row of the pinned
+        buffer (llguidance drops the GIL and splits the rows over its threads). Then both copies
+        are queued (the default stream: the sampler's, after)."""
         def fill_and_copy():
-            bitmask = self.fill(matchers).to(device, non_blocking=True)
+            bitmask = self.bitmask()[:len(matchers)]
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
+            bitmask = bitmask.to(device, non_blocking=True)
             rows_host = torch.tensor(rows, dtype=torch.int64)
             return rows_host.pin_memory().to(device, non_blocking=True) if bitmask.is_cuda \
                 else rows_host, bitmask
         return self.thread.submit(fill_and_copy)
-
-    def fill(self, matchers):
-        """The bitmasks of what each matcher allows next, (R, cdiv(V, 32)) int32 rows of the
-        pinned buffer; llguidance drops the GIL and splits the rows over its threads."""
-        bitmask = self.bitmask()[:len(matchers)]
-        self.llg.numpy.fill_next_token_bitmask_par(
-            self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
-        return bitmask
 
     def follow(self, seqs, tokens):
         """For EngineCore._commit: each unfinished grammar row's matcher takes its read-back token,
