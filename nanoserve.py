@@ -1795,10 +1795,6 @@ class _Shape:
         """The chunks a stream opens choice i with."""
         return []
 
-    def has_news(self, d: Delta) -> bool:
-        """Whether d is worth a chunk (a token whose text is held back still has log-probs)."""
-        return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
-
     def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
         body = {"id": self.id, "object": object, "created": self.created,
                 "model": self.server.model_name, "choices": choices}
@@ -1819,7 +1815,8 @@ class _Shape:
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
                 self.num_completion_tokens += len(d.token_ids)
-                if self.has_news(d):
+                # news: text, or a token whose text is held back, which still has log-probs
+                if d.text or (self.num_top_logprobs is not None and d.token_ids):
                     choice = self.choice(d)
                     if choice.get("delta") != {} or choice["logprobs"]:   # else nothing to say
                         yield choice | {"finish_reason": None}   # that is the last chunk's to say
@@ -1886,10 +1883,11 @@ class _ChatShape(_Shape):
     """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
     empty one with the finish_reason."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+    opening_content: Optional[str] = ""       # the content of the role's chunk
 
     def opening(self, i: int) -> list:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]
+        return [{"index": i, "delta": {"role": "assistant", "content": self.opening_content},
+                 "logprobs": None, "finish_reason": None}]
 
     def choice(self, d: Delta) -> dict:
         return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
@@ -2423,14 +2421,12 @@ class _ToolCallShape(_ChatShape):
     deltas (index, id, type, name, arguments), and the last chunk's finish_reason is "tool_calls"
     if the model called. A forced call that a stop string may cut is held to its end (hold): it
     comes whole, or if cut, as text with "stop"."""
+    opening_content = None                    # null until text
+
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format: tuple):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
         self.call_format = call_format    # a TOOL_CALL_FORMATS entry
         self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
-
-    def opening(self, i: int) -> list:
-        return [{"index": i, "delta": {"role": "assistant", "content": None},   # null until text
-                 "logprobs": None, "finish_reason": None}]
 
     def parsed_delta(self, d: Delta, final: bool) -> dict:
         """What is new in choice d.index's content and calls, from its whole text parsed again."""
