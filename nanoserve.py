@@ -783,7 +783,7 @@ class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.workers = start_workers(cfg, ModelRunner)   # chapter: tensor parallelism (None: off)
-        with stopped_on_error(self.workers):              # chapter: tensor parallelism
+        with start_up(self.workers):                      # chapter: tensor parallelism
             self.use_cuda = self.device.type == "cuda"
             if self.device.type == "cpu":    # here, where the step loop runs, not in the server
                 pa.set_cpu_threads(cfg.num_threads)
@@ -807,7 +807,6 @@ class ModelRunner:
             # Triton only: the torch attention reads lengths on the host, which no graph captures.
             if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
                 self.capture_cuda_graphs()
-        start_steps(self.workers)                        # chapter: tensor parallelism
 
     # -- KV pool --
     def _bind_kv_cache(self, num_blocks: int):
@@ -2639,7 +2638,7 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # Start-up (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every
 # rank.
 # Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
-# all_reduce), ModelRunner.__init__ (start_workers, stopped_on_error, start_steps),
+# all_reduce), ModelRunner.__init__ (start_workers, start_up),
 # allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0),
 # EngineCore.fail_running (stop_out_of_step), LLM.close (stop_workers), run_engine_core
 # (exit_on_worker_death, exit_on_failed_step).
@@ -2671,15 +2670,18 @@ def start_workers(cfg, make_runner):
     return TensorParallelWorkers(cfg, make_runner) if n > 1 else None
 
 @contextlib.contextmanager
-def stopped_on_error(workers):
-    """Around rank 0's start-up after start_workers: if it raises (a bad setting that
-    every rank meets alike, Ctrl-C), the workers are stopped before the error goes on,
-    so that a caller who catches it keeps a clean process."""
+def start_up(workers):
+    """Around rank 0's start-up after start_workers, which every rank runs by itself, alike. If it
+    raises (a bad setting that every rank meets alike, Ctrl-C), the workers are stopped before the
+    error goes on, so that a caller who catches it keeps a clean process. Once it is done, rank 0
+    sends its steps (send_step)."""
     try:
         yield
     except BaseException:
         stop_workers(workers)
         raise
+    if workers is not None:
+        workers.started = True
 
 def stop_workers(workers):
     """TensorParallelWorkers.close, where there are workers (LLM.close)."""
@@ -2711,15 +2713,9 @@ def exit_on_failed_step(workers):
         sys.exit(1)
 
 def send_step(workers, plan):
-    """Rank 0's step plan to every worker, once all have started (start_steps)."""
+    """Rank 0's step plan to every worker, once start-up is done (start_up)."""
     if workers is not None and workers.started:
         workers.send(plan)
-
-def start_steps(workers):
-    """From now on rank 0 sends its steps: the steps before were start-up's (profiling,
-    CUDA-graph warm-ups and captures), which every rank runs by itself, alike."""
-    if workers is not None:
-        workers.started = True
 
 def _backend(device):
     return "nccl" if str(device).startswith("cuda") else "gloo"
@@ -2746,7 +2742,7 @@ class TensorParallelWorkers:
     raises instead (gloo reports the peer gone), and so does every later send.
 
     close (_close_workers) runs once: at LLM.close, when the workers are collected
-    with their LLM, when start-up fails (stopped_on_error), and at exit, before
+    with their LLM, when start-up fails (start_up), and at exit, before
     multiprocessing waits for its children. Neither it nor the watchdog holds self,
     so an LLM dropped without close is still collected, and closed."""
 
