@@ -2811,8 +2811,7 @@ def _close_workers(pipes, procs, closed):
         dist.destroy_process_group()
 
 def _watch(ref, sentinels, closed):
-    """The watchdog thread (TensorParallelWorkers). It holds the workers by a weak reference
-    only, so that they can be collected while it waits."""
+    """The watchdog thread (TensorParallelWorkers), which holds the workers by a weak reference."""
     dead = multiprocessing.connection.wait(sentinels)
     workers = ref()
     if workers is None or closed.is_set():
@@ -2825,9 +2824,8 @@ def _watch(ref, sentinels, closed):
         os._exit(1)
 
 def _follow_steps(runner, pipe):
-    """A worker's main loop, once its runner has run the same start-up as rank 0's
-    (loading, the KV pool's size, CUDA graphs): each step rank 0 sends (put_step's
-    arguments) through this rank's shard of the model, until the pipe closes. Its
+    """A worker's main loop, after the start-up every rank runs alike: each step rank 0 sends
+    (put_step's arguments) through this rank's shard of the model, until the pipe closes. Its
     output is dropped: the all-reduces have given rank 0 the same hidden states."""
     with torch.no_grad():
         while True:
@@ -3240,13 +3238,11 @@ def child_stopped_on_error(process, outbox):
 
 @contextlib.contextmanager
 def sigint_held():
-    """Around spawning a process that leaves Ctrl-C to its parent: the engine core (its
-    server stops it), the tensor-parallel workers (rank 0 stops them). Each child calls
-    follow_parent first. Ctrl-C (SIGINT) reaches every process of the terminal's group,
-    a child still importing torch too, where it would print a traceback. So the child is born
-    with SIGINT blocked, and a blocked signal waits. One that comes to this process meanwhile is
-    held, then raised again once the child is spawned, to the handler that was there: a
-    KeyboardInterrupt, or nothing in the engine core, which ignores it.
+    """Around spawning a process that leaves Ctrl-C to its parent (the chapter's opening): the
+    engine core, a tensor-parallel worker. The child is born with SIGINT blocked, and a blocked
+    signal waits. One that comes to this process meanwhile is held, then raised again once the
+    child is spawned, to the handler that was there: a KeyboardInterrupt, or nothing in the
+    engine core, which ignores it.
     multiprocessing's resource tracker unblocks SIGINT once it has started, so it starts first."""
     multiprocessing.resource_tracker.ensure_running()
     main = threading.current_thread() is threading.main_thread()   # where signals are set
@@ -3264,13 +3260,12 @@ def sigint_held():
         signal.raise_signal(signal.SIGINT)
 
 def follow_parent(outbox=None):
-    """First in a process spawned under sigint_held (the engine core, a tensor-parallel
-    worker), whose parent stops it by closing its pipe. SIGINT and SIGTERM are the parent's to
-    act on, so they are ignored here (a blocked one that waits is dropped with them). A parent
-    that dies first, however it went (Ctrl-C while this child starts, SIGKILL), ends this
-    process at once, by _exit_with: no one would read its pipe again, and on a GPU a collective
-    waiting for a dead rank 0 never returns. The engine core also watches its outbox, which a
-    server stopped during its start-up closes (child_stopped_on_error)."""
+    """First in a process spawned under sigint_held, whose parent stops it by closing its pipe.
+    SIGINT and SIGTERM are the parent's to act on, so they are ignored here (a blocked one that
+    waits is dropped with them). A parent that dies first, however it went (Ctrl-C while this
+    child starts, SIGKILL), ends this process at once, by _exit_with: no one would read its pipe
+    again, and on a GPU a collective waiting for a dead rank 0 never returns. The engine core
+    also watches its outbox (child_stopped_on_error)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
