@@ -783,7 +783,7 @@ class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.workers = start_workers(cfg, ModelRunner)   # chapter: tensor parallelism (None: off)
-        with stopped_on_error(self.workers):              # chapter: tensor parallelism
+        with start_up(self.workers):                      # chapter: tensor parallelism
             self.use_cuda = self.device.type == "cuda"
             if self.device.type == "cpu":    # here, where the step loop runs, not in the server
                 pa.set_cpu_threads(cfg.num_threads)
@@ -807,7 +807,6 @@ class ModelRunner:
             # Triton only: the torch attention reads lengths on the host, which no graph captures.
             if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
                 self.capture_cuda_graphs()
-        start_steps(self.workers)                        # chapter: tensor parallelism
 
     # -- KV pool --
     def _bind_kv_cache(self, num_blocks: int):
@@ -1795,10 +1794,6 @@ class _Shape:
         """The chunks a stream opens choice i with."""
         return []
 
-    def has_news(self, d: Delta) -> bool:
-        """Whether d is worth a chunk (a token whose text is held back still has log-probs)."""
-        return bool(d.text) or (self.num_top_logprobs is not None and bool(d.token_ids))
-
     def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
         body = {"id": self.id, "object": object, "created": self.created,
                 "model": self.server.model_name, "choices": choices}
@@ -1819,7 +1814,8 @@ class _Shape:
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
                 self.num_completion_tokens += len(d.token_ids)
-                if self.has_news(d):
+                # news: text, or a token whose text is held back, which still has log-probs
+                if d.text or (self.num_top_logprobs is not None and d.token_ids):
                     choice = self.choice(d)
                     if choice.get("delta") != {} or choice["logprobs"]:   # else nothing to say
                         yield choice | {"finish_reason": None}   # that is the last chunk's to say
@@ -1886,10 +1882,11 @@ class _ChatShape(_Shape):
     """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
     empty one with the finish_reason."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+    opening_content: Optional[str] = ""       # the content of the role's chunk
 
     def opening(self, i: int) -> list:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]
+        return [{"index": i, "delta": {"role": "assistant", "content": self.opening_content},
+                 "logprobs": None, "finish_reason": None}]
 
     def choice(self, d: Delta) -> dict:
         return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
@@ -2397,7 +2394,6 @@ def compile_grammar(front: FrontEnd, source: str, lark: bool = False) -> str:
         raise ValueError(f"the schema cannot be compiled: {error}")
     return grammar
 
-
 async def request_grammar(server: OpenAIServer, source, field: str = "response_format"):
     """The grammar of a JSON schema or of Lark text, compiled in a thread (FrontEnd.grammar); None
     without a source ({} is one: any JSON value). A bad one is a 400 that names the field."""
@@ -2429,14 +2425,12 @@ class _ToolCallShape(_ChatShape):
     deltas (index, id, type, name, arguments), and the last chunk's finish_reason is "tool_calls"
     if the model called. A forced call that a stop string may cut is held to its end (hold): it
     comes whole, or if cut, as text with "stop"."""
+    opening_content = None                    # null until text
+
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format: tuple):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
         self.call_format = call_format    # a TOOL_CALL_FORMATS entry
         self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
-
-    def opening(self, i: int) -> list:
-        return [{"index": i, "delta": {"role": "assistant", "content": None},   # null until text
-                 "logprobs": None, "finish_reason": None}]
 
     def parsed_delta(self, d: Delta, final: bool) -> dict:
         """What is new in choice d.index's content and calls, from its whole text parsed again."""
@@ -2486,7 +2480,6 @@ class GrammarMasks:
 
     def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
         import llguidance.numpy                       # only where grammars are served
-        self.llg = llguidance
         self.num_threads = min(16, max(1, (os.cpu_count() or 2) - 1))
         self.executor = functools.cache(lambda: llguidance.LLExecutor(self.num_threads))
         self.tokenizer = functools.cache(lambda: llguidance.LLTokenizer(   # built on first use
@@ -2513,27 +2506,23 @@ class GrammarMasks:
         """For ModelRunner.sample: a Future of pa.apply_token_mask's rows and bitmasks (what
         their matchers allow next), or None if no row has a grammar (one check per row)."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
-        if not rows:
-            return None
-        return self.fill_async([seqs[row].matcher.result() for row in rows], rows, device)
+        return self.fill_async([seqs[row].matcher.result() for row in rows], rows, device) \
+            if rows else None
 
     def fill_async(self, matchers, rows, device):
-        """fill on a thread of its own, then both copies queued: a Future of (rows, bitmask) on
-        the device, apply_token_mask's arguments (the default stream: the sampler's, after)."""
+        """A Future of apply_token_mask's arguments, (rows, bitmask) on the device. On a thread of
+        its own, what each matcher allows next fills a (R, cdiv(V, 32)) int32 row of the pinned
+        buffer (llguidance drops the GIL and splits the rows over its threads). Then both copies
+        are queued (the default stream: the sampler's, after)."""
         def fill_and_copy():
-            bitmask = self.fill(matchers).to(device, non_blocking=True)
+            bitmask = self.bitmask()[:len(matchers)]
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
+            bitmask = bitmask.to(device, non_blocking=True)
             rows_host = torch.tensor(rows, dtype=torch.int64)
             return rows_host.pin_memory().to(device, non_blocking=True) if bitmask.is_cuda \
                 else rows_host, bitmask
         return self.thread.submit(fill_and_copy)
-
-    def fill(self, matchers):
-        """The bitmasks of what each matcher allows next, (R, cdiv(V, 32)) int32 rows of the
-        pinned buffer; llguidance drops the GIL and splits the rows over its threads."""
-        bitmask = self.bitmask()[:len(matchers)]
-        self.llg.numpy.fill_next_token_bitmask_par(
-            self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
-        return bitmask
 
     def follow(self, seqs, tokens):
         """For EngineCore._commit: each unfinished grammar row's matcher takes its read-back token,
@@ -2654,7 +2643,7 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # Start-up (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every
 # rank.
 # Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
-# all_reduce), ModelRunner.__init__ (start_workers, stopped_on_error, start_steps),
+# all_reduce), ModelRunner.__init__ (start_workers, start_up),
 # allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0),
 # EngineCore.fail_running (stop_out_of_step), LLM.close (stop_workers), run_engine_core
 # (exit_on_worker_death, exit_on_failed_step).
@@ -2686,15 +2675,18 @@ def start_workers(cfg, make_runner):
     return TensorParallelWorkers(cfg, make_runner) if n > 1 else None
 
 @contextlib.contextmanager
-def stopped_on_error(workers):
-    """Around rank 0's start-up after start_workers: if it raises (a bad setting that
-    every rank meets alike, Ctrl-C), the workers are stopped before the error goes on,
-    so that a caller who catches it keeps a clean process."""
+def start_up(workers):
+    """Around rank 0's start-up after start_workers, which every rank runs by itself, alike. If it
+    raises (a bad setting that every rank meets alike, Ctrl-C), the workers are stopped before the
+    error goes on, so that a caller who catches it keeps a clean process. Once it is done, rank 0
+    sends its steps (send_step)."""
     try:
         yield
     except BaseException:
         stop_workers(workers)
         raise
+    if workers is not None:
+        workers.started = True
 
 def stop_workers(workers):
     """TensorParallelWorkers.close, where there are workers (LLM.close)."""
@@ -2726,15 +2718,9 @@ def exit_on_failed_step(workers):
         sys.exit(1)
 
 def send_step(workers, plan):
-    """Rank 0's step plan to every worker, once all have started (start_steps)."""
+    """Rank 0's step plan to every worker, once start-up is done (start_up)."""
     if workers is not None and workers.started:
         workers.send(plan)
-
-def start_steps(workers):
-    """From now on rank 0 sends its steps: the steps before were start-up's (profiling,
-    CUDA-graph warm-ups and captures), which every rank runs by itself, alike."""
-    if workers is not None:
-        workers.started = True
 
 def _backend(device):
     return "nccl" if str(device).startswith("cuda") else "gloo"
@@ -2761,7 +2747,7 @@ class TensorParallelWorkers:
     raises instead (gloo reports the peer gone), and so does every later send.
 
     close (_close_workers) runs once: at LLM.close, when the workers are collected
-    with their LLM, when start-up fails (stopped_on_error), and at exit, before
+    with their LLM, when start-up fails (start_up), and at exit, before
     multiprocessing waits for its children. Neither it nor the watchdog holds self,
     so an LLM dropped without close is still collected, and closed."""
 
@@ -2830,8 +2816,7 @@ def _close_workers(pipes, procs, closed):
         dist.destroy_process_group()
 
 def _watch(ref, sentinels, closed):
-    """The watchdog thread (TensorParallelWorkers). It holds the workers by a weak reference
-    only, so that they can be collected while it waits."""
+    """The watchdog thread (TensorParallelWorkers), which holds the workers by a weak reference."""
     dead = multiprocessing.connection.wait(sentinels)
     workers = ref()
     if workers is None or closed.is_set():
@@ -2844,9 +2829,8 @@ def _watch(ref, sentinels, closed):
         os._exit(1)
 
 def _follow_steps(runner, pipe):
-    """A worker's main loop, once its runner has run the same start-up as rank 0's
-    (loading, the KV pool's size, CUDA graphs): each step rank 0 sends (put_step's
-    arguments) through this rank's shard of the model, until the pipe closes. Its
+    """A worker's main loop, after the start-up every rank runs alike: each step rank 0 sends
+    (put_step's arguments) through this rank's shard of the model, until the pipe closes. Its
     output is dropped: the all-reduces have given rank 0 the same hidden states."""
     with torch.no_grad():
         while True:
@@ -3259,13 +3243,11 @@ def child_stopped_on_error(process, outbox):
 
 @contextlib.contextmanager
 def sigint_held():
-    """Around spawning a process that leaves Ctrl-C to its parent: the engine core (its
-    server stops it), the tensor-parallel workers (rank 0 stops them). Each child calls
-    follow_parent first. Ctrl-C (SIGINT) reaches every process of the terminal's group,
-    a child still importing torch too, where it would print a traceback. So the child is born
-    with SIGINT blocked, and a blocked signal waits. One that comes to this process meanwhile is
-    held, then raised again once the child is spawned, to the handler that was there: a
-    KeyboardInterrupt, or nothing in the engine core, which ignores it.
+    """Around spawning a process that leaves Ctrl-C to its parent (the chapter's opening): the
+    engine core, a tensor-parallel worker. The child is born with SIGINT blocked, and a blocked
+    signal waits. One that comes to this process meanwhile is held, then raised again once the
+    child is spawned, to the handler that was there: a KeyboardInterrupt, or nothing in the
+    engine core, which ignores it.
     multiprocessing's resource tracker unblocks SIGINT once it has started, so it starts first."""
     multiprocessing.resource_tracker.ensure_running()
     main = threading.current_thread() is threading.main_thread()   # where signals are set
@@ -3283,13 +3265,12 @@ def sigint_held():
         signal.raise_signal(signal.SIGINT)
 
 def follow_parent(outbox=None):
-    """First in a process spawned under sigint_held (the engine core, a tensor-parallel
-    worker), whose parent stops it by closing its pipe. SIGINT and SIGTERM are the parent's to
-    act on, so they are ignored here (a blocked one that waits is dropped with them). A parent
-    that dies first, however it went (Ctrl-C while this child starts, SIGKILL), ends this
-    process at once, by _exit_with: no one would read its pipe again, and on a GPU a collective
-    waiting for a dead rank 0 never returns. The engine core also watches its outbox, which a
-    server stopped during its start-up closes (child_stopped_on_error)."""
+    """First in a process spawned under sigint_held, whose parent stops it by closing its pipe.
+    SIGINT and SIGTERM are the parent's to act on, so they are ignored here (a blocked one that
+    waits is dropped with them). A parent that dies first, however it went (Ctrl-C while this
+    child starts, SIGKILL), ends this process at once, by _exit_with: no one would read its pipe
+    again, and on a GPU a collective waiting for a dead rank 0 never returns. The engine core
+    also watches its outbox (child_stopped_on_error)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

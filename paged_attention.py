@@ -19,9 +19,8 @@ owns in order. This file holds the kernels that touch that pool:
                              channel, and a batch's activations quantized per
                              token for torch._scaled_mm (linear chooses)
     norm, linear, ATTENTION  which of these (or of the torch versions) the
-                             engine calls: norm and linear chosen in the
-                             first section with the sampler's argmax_rows and
-                             apply_token_mask, ATTENTION in the last
+                             engine calls, chosen in the first section
+                             (ATTENTION in the last)
     cuda_graph_sizes, graph_key
                              which CUDA graphs are captured, and which one
                              replays a step
@@ -84,16 +83,14 @@ import triton.language as tl
 # implementation to these. Then the one place where the engine's implementation
 # of each step is chosen: nanoserve's layers call `norm` and `linear` (on the
 # GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch
-# references on the CPU); the sampler `argmax_rows` (a reduction split for a
-# lone row's sake), `apply_token_mask`, `apply_logit_edits` with its host half
-# `logit_edit_entries` (sparse edits, not a dense bias tensor) and
-# `apply_top_k_top_p` (a sort, then two cuts of the sorted row); the model
-# runner `to_device`, `put`, `cuda_graph_sizes` and `set_cpu_threads` (in the
-# CPU path's section); and each Attention layer one
-# (rope_store, attend) pair of ATTENTION: rope_store rotates q in place and
-# writes the rotated k and v into the pool, attend reads the pool through the
-# step's AttentionMetadata (as decode when every sequence brings one token).
-# ATTENTION closes this file, since it names the kernels in between.
+# references on the CPU); the sampler `argmax_rows`, `apply_token_mask`,
+# `apply_logit_edits` with its host half `logit_edit_entries`, and
+# `apply_top_k_top_p`; the model runner `to_device`, `put`, `cuda_graph_sizes`
+# and `set_cpu_threads` (in the CPU path's section); and each Attention layer
+# one (rope_store, attend) pair of ATTENTION (the last section): rope_store
+# rotates q in place and writes the rotated k and v into the pool, attend reads
+# the pool through the step's AttentionMetadata (as decode when every sequence
+# brings one token).
 
 
 def _gather_kv_ref(cache, block_table, L):
@@ -149,8 +146,7 @@ def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, 
         if L == 0:  # padding row of a CUDA-graph batch
             out[b] = 0
             continue
-        k = _gather_kv_ref(k_cache, block_tables[b], L)
-        v = _gather_kv_ref(v_cache, block_tables[b], L)
+        k, v = (_gather_kv_ref(cache, block_tables[b], L) for cache in (k_cache, v_cache))
         out[b] = _attend_ref(q[b:b + 1], k, v, scale)[0]
     return out
 
@@ -162,8 +158,7 @@ def paged_attention_prefill_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q,
     for b, L in enumerate(context_lens.tolist()):
         if cu[b + 1] == cu[b]:
             continue
-        k = _gather_kv_ref(k_cache, block_tables[b], L)
-        v = _gather_kv_ref(v_cache, block_tables[b], L)
+        k, v = (_gather_kv_ref(cache, block_tables[b], L) for cache in (k_cache, v_cache))
         out[cu[b]:cu[b + 1]] = _attend_ref(q[cu[b]:cu[b + 1]], k, v, scale)
     return out
 
@@ -178,14 +173,17 @@ def silu_and_mul_ref(x):
     return (F.silu(gate) * up).to(x.dtype)
 
 
+def _prologue_ref(x, norm_weight, eps, silu_mul):
+    """f(x) of the fused matmuls: SiLU-and-mul (x = [gate, up]), RMSNorm (with norm_weight) or x."""
+    x = silu_and_mul_ref(x) if silu_mul else x
+    return x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
+
+
 def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, scale=None):
     """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
     SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding.
     scale: weight is e4m3 with these row scales (linear_fp8_ref)."""
-    if silu_mul:
-        x = silu_and_mul_ref(x)
-    if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
+    x = _prologue_ref(x, norm_weight, eps, silu_mul)
     y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
@@ -223,19 +221,22 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None,
     Two of nanoserve's chapters enter here, one line each. `all_reduce` marks
     a row-parallel matmul, summed over the tensor-parallel ranks
     (row_parallel_linear). An fp8 weight carries its scales (quantize_fp8):
-    the GEMV reads it as it is, and a larger batch takes linear_fp8."""
+    the GEMV reads it as it is, a larger batch in bf16 on the GPU takes
+    linear_fp8, and any other widens the weight as it goes (linear_fp8_ref:
+    correct, and slower than the model's own dtype)."""
     if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
         return row_parallel_linear(x, weight, norm, silu_mul, residual)
     norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     scale = weight.scale if weight.dtype == FP8 else None     # fp8 weights: (N,) fp32
     if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
-    if scale is not None:                                     # fp8 weights
-        return linear_fp8(x, weight, norm_weight, eps, silu_mul, residual)
-    if silu_mul:
-        x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
-    x = x if norm is None else norm(x)
-    y = F.linear(x, weight)                                   # (N_tok, N)
+    if scale is not None and x.is_cuda and x.dtype == torch.bfloat16:   # fp8 tensor cores
+        y = linear_fp8(x, weight, norm_weight, eps, silu_mul)          # (N_tok, N)
+    else:
+        if silu_mul:
+            x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
+        x = x if norm is None else norm(x)
+        y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)  # (N_tok, N)
     return y if residual is None else residual + y
 
 
@@ -727,9 +728,8 @@ def _decode_num_splits(B, n_kv, max_tiles, device):
     """Splits per sequence, from static shapes only (no host sync, graph-safe).
 
     Aim for two programs per SM, but never more splits than the widest context
-    the block table can hold has tiles. The kernel divides each sequence's
-    true length among the splits; a split past the end of a short context
-    returns at once. A power of two, to bound the number of compiled variants.
+    the block table can hold has tiles (the kernel's docstring says how a short
+    context uses fewer). A power of two, to bound the compiled variants.
     """
     want = triton.cdiv(DECODE_PROGRAMS_PER_SM * _num_sms(device), B * n_kv)
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_tiles), DECODE_MAX_SPLITS)
@@ -1202,9 +1202,8 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
     assert x.dtype == weight.dtype if scale is None else (weight.dtype == FP8 and scale.shape == (N,))
     assert norm_weight is None or (norm_weight.shape == (K,) and norm_weight.is_contiguous())
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
-    assert out.shape == (M, N) and out.dtype == x.dtype and out.stride(1) == 1
-    if residual is not None:
-        assert residual.shape == out.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    for t in (out, residual):                   # (M, N) rows in x's dtype; residual optional
+        assert t is None or (t.shape == (M, N) and t.dtype == x.dtype and t.stride(1) == 1)
     if M == 0:
         return out
     BLOCK_N, BLOCK_K, SPLIT_K, num_warps = (_gemv_config if scale is None else _gemv_config_fp8)(N, K)
@@ -1224,8 +1223,7 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, NORM=norm_weight is not None,
         NORM_BLOCK=min(4096, max(16, triton.next_power_of_2(K))),
         SILU_MUL=silu_mul, RESIDUAL=residual is not None, SCALE=scale is not None, PDL=USE_PDL,
-        num_warps=num_warps,
-        **PDL_LAUNCH,
+        num_warps=num_warps, **PDL_LAUNCH,
     )
     return out
 
@@ -1269,11 +1267,7 @@ def linear_fp8_ref(x, weight, scale):                 # (N_tok, K), (N, K) e4m3,
 
 def quantize_rows_ref(x, norm_weight=None, eps=0.0, silu_mul=False):  # (M, K) -> (M, K) e4m3, (M, 1)
     """f(x), f being SiLU-and-mul or RMSNorm (as in gemv_ref), quantized per row (per token)."""
-    if silu_mul:
-        x = silu_and_mul_ref(x)
-    if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
-    return _to_fp8(x)
+    return _to_fp8(_prologue_ref(x, norm_weight, eps, silu_mul))
 
 
 @triton.jit
@@ -1326,23 +1320,15 @@ def quantize_rows(x, norm_weight=None, eps=0.0, silu_mul=False):  # (M, K) -> (M
     return q, scale
 
 
-
-def linear_fp8(x, weight, norm_weight, eps, silu_mul, residual):  # (N_tok, K) -> (N_tok, N)
-    """linear for an fp8 weight past batch 1 (GEMV_MAX_ROWS). On the GPU in bf16 it takes the
-    fp8 tensor cores (torch._scaled_mm): x is quantized too, one scale per token (per row), in
+def linear_fp8(x, weight, norm_weight, eps, silu_mul):  # (N_tok, K) -> (N_tok, N)
+    """f(x) @ weight.T for an fp8 weight past batch 1 (GEMV_MAX_ROWS), on the GPU in bf16: the
+    fp8 tensor cores (torch._scaled_mm). x is quantized too, one scale per token (per row), in
     one launch that also applies f (quantize_rows), and _scaled_mm multiplies by both scales on
-    its way out. The CPU, and dtypes other than bf16, compute with the weights widened
-    (linear_fp8_ref): correct, and slower than the model's own dtype."""
-    if x.is_cuda and x.dtype == torch.bfloat16:
-        xq, x_scale = quantize_rows(x, norm_weight, eps, silu_mul)   # (N_tok, K) e4m3, (N_tok, 1)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight.scale[None],
-                             out_dtype=x.dtype)                      # (N_tok, N)
-    else:
-        if silu_mul:
-            x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
-        x = x if norm_weight is None else norm(x, norm_weight, eps)
-        y = linear_fp8_ref(x, weight, weight.scale)                     # (N_tok, N)
-    return y if residual is None else residual + y
+    its way out. linear adds the residual."""
+    xq, x_scale = quantize_rows(x, norm_weight, eps, silu_mul)   # (N_tok, K) e4m3, (N_tok, 1)
+    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight.scale[None],
+                            out_dtype=x.dtype)                   # (N_tok, N)
+
 
 # ----------------------------------------------------------------------------
 # RoPE fused into the KV store
@@ -1431,9 +1417,8 @@ def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, 
     assert k.shape == v.shape == (N_tok, n_kv, hd) and k_cache.shape[2:] == (n_kv, hd)
     assert q.dtype == k.dtype == v.dtype == k_cache.dtype
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "heads must be contiguous"
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (N_tok,)
-    assert positions.dtype == torch.int64 and positions.shape == (N_tok,)
-    assert slot_mapping.is_contiguous() and positions.is_contiguous()
+    for t in (slot_mapping, positions):
+        assert t.dtype == torch.int64 and t.shape == (N_tok,) and t.is_contiguous()
     assert cos.shape == sin.shape and cos.shape[1] == hd // 2 and cos.dtype == torch.float32
     assert cos.is_contiguous() and sin.is_contiguous()
     if N_tok == 0:
@@ -1536,9 +1521,8 @@ def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens,
     L = max(lens, default=0)
     ragged = min(lens, default=L) < L
     k, v = _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged)  # (B, n_kv, L, hd)
-    mask = None
-    if ragged:
-        mask = (torch.arange(L, device=q.device) < context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
+    mask = ((torch.arange(L, device=q.device) < context_lens[:, None])[:, None, None, :]
+            if ragged else None)                                             # (B, 1, 1, L)
     o = F.scaled_dot_product_attention(q.reshape(B, n_kv, n_heads // n_kv, hd), k, v,
                                        attn_mask=mask, scale=scale)  # (B, n_kv, G, hd)
     o = o.view(B, n_heads, hd)
@@ -1558,17 +1542,15 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
     decode_seqs = [b for b, T in enumerate(q_lens) if T == 1]
     if decode_seqs:
         rows = cu_seqlens_q[decode_seqs].long()                  # (num_decode,) row of each
-        out[rows] = paged_attention_decode_sdpa(q[rows], k_cache, v_cache,
-                                                block_tables[decode_seqs], context_lens[decode_seqs],
-                                                scale)
+        out[rows] = paged_attention_decode_sdpa(
+            q[rows], k_cache, v_cache, block_tables[decode_seqs], context_lens[decode_seqs], scale)
     # -- prefill chunks --
     for b in (b for b, T in enumerate(q_lens) if T > 1):
         T, L = q_lens[b], lens[b]
         k, v = _read_kv(k_cache, v_cache, block_tables[b:b + 1], None, L, ragged=False)  # (1, n_kv, L, hd)
-        mask = None
-        if T < L:  # query j sits at position L - T + j: the diagonal is offset
-            pos = torch.arange(L, device=q.device)
-            mask = pos <= pos[L - T:, None]  # (T, L)
+        # query j sits at position L - T + j: with a cached prefix (T < L) the diagonal is offset
+        pos = torch.arange(L, device=q.device)
+        mask = pos <= pos[L - T:, None] if T < L else None  # (T, L)
         o = F.scaled_dot_product_attention(q[None, cu[b]:cu[b + 1]].transpose(1, 2), k, v,
                                            attn_mask=mask, is_causal=mask is None, scale=scale,
                                            enable_gqa=True)  # (1, n_heads, T, hd)
@@ -1619,9 +1601,8 @@ def apply_token_mask_triton(logits, rows, bitmask, BLOCK_WORDS=32):
     assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and W == triton.cdiv(V, 32)
     assert rows.shape == (R,) and rows.dtype == torch.int64
     if R:
-        grid = (R, triton.cdiv(W, BLOCK_WORDS))
-        _apply_token_mask_kernel[grid](logits, rows, bitmask, logits.stride(0),
-                                       bitmask.stride(0), V, BLOCK_WORDS=BLOCK_WORDS)
+        _apply_token_mask_kernel[(R, triton.cdiv(W, BLOCK_WORDS))](
+            logits, rows, bitmask, logits.stride(0), bitmask.stride(0), V, BLOCK_WORDS=BLOCK_WORDS)
     return logits
 
 
@@ -1635,10 +1616,6 @@ def apply_token_mask_triton(logits, rows, bitmask, BLOCK_WORDS=32):
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows cut
 ROW_PARALLEL = ("o_proj", "down_proj")                                     # input columns cut
-
-
-def tensor_parallel_rank():
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def tensor_parallel_size():
@@ -1658,7 +1635,7 @@ def shard(tensor, name, size):
     if dim is None or size == 1:
         return tensor
     assert tensor.shape[dim] % size == 0, f"{name} {tuple(tensor.shape)} does not split by {size}"
-    return tensor.chunk(size, dim)[tensor_parallel_rank()]
+    return tensor.chunk(size, dim)[dist.get_rank() if dist.is_initialized() else 0]
 
 
 def row_parallel_linear(x, weight, norm, silu_mul, residual):  # (N_tok, K / size) -> (N_tok, N)
@@ -1714,5 +1691,3 @@ ATTENTION = {
     "torch": (rope_store_kvcache_ref,
               _attend_with(paged_attention_decode_ref, paged_attention_prefill_ref)),
 }
-
-
