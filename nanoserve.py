@@ -1320,6 +1320,7 @@ def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
     if p.top_k == 0 or p.top_k < -1:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {p.top_k}")
     check_logit_params(p, vocab_size)                  # chapter: log-probs and logit edits
+    check_grammar(p.grammar)                                   # chapter: structured output
 
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
@@ -2543,6 +2544,18 @@ def mask_logits(logits, raw, batch: SamplingBatch):           # (B, V) fp32
         return logits
     keep_raw = logits is raw and batch.max_logprobs is not None
     return pa.apply_token_mask(logits.clone() if keep_raw else logits, *batch.allowed)
+
+def check_grammar(grammar):
+    """A grammar llguidance cannot read is a ValueError before its request is queued. Its matcher
+    would otherwise end the request at once with no text, or fail the whole step. The server's
+    come from compile_grammar, checked already, and each is read once (a cache)."""
+    if grammar is not None and not isinstance(grammar, str):
+        raise ValueError("grammar must be a string, llguidance's (FrontEnd.grammar makes one)")
+    error = grammar is not None and _grammar_error(grammar)
+    if error:
+        raise ValueError(f"grammar is not valid: {error.strip()}")
+
+_grammar_error = functools.lru_cache(maxsize=256)(llguidance.LLMatcher.validate_grammar)
 
 def grammar_done(seq: Sequence) -> bool:
     """Whether seq's grammar has ended: its answer is whole, and the request ends with "stop"."""

@@ -550,6 +550,18 @@ def test_acceptance_keeps_the_sampling_distribution():
     assert torch.allclose(counts, expected, atol=0.01)    # 4 standard deviations at n = 60,000
 
 
+def test_a_bad_grammar_fails_its_own_request(smol_llm):
+    """Offline, a grammar llguidance cannot read, or one that is not a string, is a ValueError
+    when the request is added: no step runs it, and the engine serves the next call."""
+    good = ns.SamplingParams(temperature=0, max_tokens=4)
+    for grammar in ("this is not a grammar %%%", {"type": "object"}):
+        bad = ns.SamplingParams(temperature=0, max_tokens=4, grammar=grammar)
+        with pytest.raises(ValueError, match="grammar"):
+            smol_llm.generate(["Hello", "Hi there"], [good, bad])
+        assert not smol_llm.engine.has_unfinished()
+    assert len(smol_llm.generate(["Hello"], good)[0].token_ids) == 4
+
+
 def test_speculation_keeps_stops_lengths_logprobs_grammars(smol_llm):
     """With drafts: a stop string and a stop token end the text where plain decoding ends it,
     max_tokens is never passed though several tokens are accepted at once, every token keeps
