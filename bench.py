@@ -1234,24 +1234,33 @@ LIST_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["it
 
 
 def host_timers(llm):
-    """Wrap token_masks and _commit with timers; return their totals: [steps, rows, seconds]."""
+    """Wrap the grammar masks' fill and _commit with timers; return their totals: [steps, rows,
+    seconds]."""
     engine, totals = llm.engine, {"mask": [0, 0, 0.0], "commit": [0, 0, 0.0]}
     commit = engine._commit
-    # the fill itself where it has a name of its own (on a thread: token_masks only starts it)
-    owner = getattr(engine.runner, "grammar_masks", engine.runner)
-    name = "fill" if owner is not engine.runner else "token_masks"
-    fill = getattr(owner, name)
 
     def add(name, rows, seconds):
         t = totals[name]
         t[0], t[1], t[2] = t[0] + 1, t[1] + rows, t[2] + seconds
 
-    def timed_masks(arg):                  # token_masks(seqs) -> (rows, bitmask), or fill(matchers)
-        start, out = time.perf_counter(), fill(arg)
-        if out is not None:
-            add("mask", len(out[0]) if name == "token_masks" else len(arg),
-                time.perf_counter() - start)
-        return out
+    if hasattr(engine.runner, "grammar_masks"):   # the fill itself, on its thread: llguidance's
+        import llguidance.numpy
+        fill = llguidance.numpy.fill_next_token_bitmask_par
+
+        def timed_fill(executor, pairs, bitmask):
+            start = time.perf_counter()
+            fill(executor, pairs, bitmask)
+            add("mask", len(pairs), time.perf_counter() - start)
+        llguidance.numpy.fill_next_token_bitmask_par = timed_fill
+    else:                                          # older versions: token_masks(seqs) in the loop
+        token_masks = engine.runner.token_masks
+
+        def timed_masks(seqs):
+            start, out = time.perf_counter(), token_masks(seqs)
+            if out is not None:
+                add("mask", len(out[0]), time.perf_counter() - start)
+            return out
+        engine.runner.token_masks = timed_masks
 
     def timed_commit(step):
         getattr(engine.runner, "finish_sample", lambda step: None)(step)   # sampled, if not yet
@@ -1262,7 +1271,6 @@ def host_timers(llm):
         if rows:
             add("commit", rows, time.perf_counter() - start)
         return out
-    setattr(owner, name, timed_masks)
     engine._commit = timed_commit
     return totals
 
