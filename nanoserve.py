@@ -123,6 +123,8 @@ class Config:
     rope_theta: float = field(init=False, default=10000.0)
     rope_scaling: Optional[dict] = field(init=False, default=None)  # llama3 keys or None
     tie_word_embeddings: bool = field(init=False, default=False)    # lm_head = embed_tokens
+    qkv_bias: bool = field(init=False, default=False)   # Qwen2: q, k and v projections add a bias
+    qk_norm: bool = field(init=False, default=False)    # Qwen3: RMSNorm over each head of q and k
     eos_token_ids: list = field(init=False, default_factory=list)   # any of them ends a sequence
 
     def __post_init__(self):
@@ -144,8 +146,10 @@ class Config:
         self._check()
 
     def _read_model_config(self, c: dict):
-        if c.get("model_type", "llama") != "llama":
-            raise ValueError(f"model_type {c.get('model_type')!r} is not supported (Llama only)")
+        family = c.get("model_type", "llama")
+        if family not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ValueError(f"model_type {family!r} is not supported (llama, mistral, qwen2, "
+                             f"qwen3)")
         if "quantization_config" in c:      # its bytes are not bf16: never load them as such
             q = c["quantization_config"]
             raise ValueError(f"checkpoint stored quantized ({q.get('quant_method')}, format "
@@ -166,8 +170,14 @@ class Config:
             raise ValueError(f"rope type {rope_type!r} is not supported (default or llama3)")
         self.rope_scaling = rope if rope_type == "llama3" else None
         self.tie_word_embeddings = c.get("tie_word_embeddings", False)
+        self.qkv_bias, self.qk_norm = family == "qwen2", family == "qwen3"   # Qwen2, Qwen3
         limit = c.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.max_model_len or limit, limit)
+        # Mistral: each query sees only the last sliding_window keys. Qwen2 and Qwen3 turn it off.
+        window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+        if window and window < self.max_model_len:
+            raise ValueError(f"sliding_window {window} is not supported: serve at most that "
+                             f"context (--max-model-len {window})")
         eos = c.get("eos_token_id")
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -317,8 +327,11 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         self.split_sizes = [q_size, kv_size, kv_size]      # the rows of q, k, v in qkv_proj
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)  # Qwen2
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:                                    # Qwen3: weights (hd,), shared by heads
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.scale = self.hd ** -0.5                       # softmax(q k^T / sqrt(hd))
         # triton, sdpa (the CPU path) or the torch references (pa.ATTENTION)
         self.rope_store, self.attend = pa.ATTENTION[cfg.attention]
@@ -328,8 +341,11 @@ class Attention(nn.Module):
     def forward(self, x, positions, rope, meta: AttentionMetadata, norm=None, residual=None):
         """residual + attention(norm(x)), norm and residual optional."""
         n = x.shape[0]
-        qkv = pa.linear(x, self.qkv_proj.weight, norm=norm)       # (N_tok, (n_heads + 2 n_kv) hd)
+        qkv = pa.linear(x, self.qkv_proj.weight, norm=norm,
+                        bias=self.qkv_proj.bias)           # (N_tok, (n_heads + 2 n_kv) hd) Qwen2
         q, k, v = (t.view(n, -1, self.hd) for t in qkv.split(self.split_sizes, dim=-1))
+        if hasattr(self, "q_norm"):        # Qwen3: each head of q and k normalized before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)                 # (N_tok, n_heads | n_kv, hd)
         # Rotate q and k by their positions, and write this step's K/V into the
         # pool first: attention then reads every key, old and new, from one place.
         self.rope_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, positions,

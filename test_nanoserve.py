@@ -17,6 +17,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import re
 import select
 import signal
 import socket
@@ -92,6 +93,36 @@ def tiny(tmp_path_factory):
     return path, hf
 
 
+FAMILIES = ["qwen3", "qwen2", "mistral"]
+
+
+def tiny_family(model_type):
+    """A module fixture: a tiny random checkpoint of model_type, written by transformers' own
+    classes, with 2 KV heads (so 2 ranks split it). Qwen3 has a head_dim unlike D / n_heads and
+    ties its embedding; Qwen2 has its q, k and v biases; Mistral is Llama's layers."""
+    @pytest.fixture(scope="module", name=model_type)
+    def fixture(tmp_path_factory):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(
+            model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+            max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+            tie_word_embeddings=model_type == "qwen3", sliding_window=None, bos_token_id=1,
+            eos_token_id=2)
+        hf = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():   # larger weights than the default init, so outputs vary per token
+            for p in hf.parameters():
+                p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        path = str(tmp_path_factory.mktemp(model_type))
+        hf.save_pretrained(path)
+        return path, hf
+    return fixture
+
+
+qwen3, qwen2, mistral = (tiny_family(t) for t in FAMILIES)
+
+
 def ensure_smol() -> str:
     """The default model's folder. pytest makes it when it is missing
     (download.py converts it, as `nanoserve.py generate` does on first use);
@@ -156,7 +187,7 @@ def hf_layer_inputs(hf, x, T):
     return cos_sin, mask
 
 
-@pytest.mark.parametrize("which", ["tiny", "smol"])
+@pytest.mark.parametrize("which", ["tiny", "smol", *FAMILIES])
 @torch.no_grad()
 def test_layers_match_transformers(which, request):
     model_dir, hf = request.getfixturevalue(which)
@@ -185,7 +216,7 @@ def test_layers_match_transformers(which, request):
     assert_close("decoder layer", me(x, positions, ours.rope, prefill_meta(T)), block_ref[0], 1e-5)
 
 
-@pytest.mark.parametrize("which", ["tiny", "smol"])
+@pytest.mark.parametrize("which", ["tiny", "smol", *FAMILIES])
 @torch.no_grad()
 def test_logits_match_transformers(which, request):
     model_dir, hf = request.getfixturevalue(which)
@@ -208,6 +239,52 @@ def test_tiny_greedy_matches_transformers(tiny):
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 40)
     check_pool_is_free(llm.engine)
+
+
+FAMILY_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 90))]
+
+
+def _family_generate(path, tp, queue):
+    """Greedy tokens of FAMILY_PROMPTS at tp gloo ranks, with drafts (speculative decoding)."""
+    llm = ns.LLM(path, device="cpu", num_blocks=64, block_size=8, num_threads=1,
+                 tensor_parallel_size=tp, num_speculative_tokens=3)
+    params = ns.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    queue.put([o.token_ids for o in llm.generate(FAMILY_PROMPTS, params)])
+    llm.close()
+
+
+@pytest.mark.parametrize("which", FAMILIES)
+def test_family_greedy_matches_transformers(which, request):
+    """Each family decodes greedily as transformers does, token for token: alone, again from the
+    prefix cache, and over 2 gloo ranks with drafts (the shard rule cuts the q, k and v biases
+    as their rows; each rank keeps the per-head norms whole)."""
+    path, hf = request.getfixturevalue(which)
+    ref = [hf_greedy(hf, p, 24) for p in FAMILY_PROMPTS]
+    llm = ns.LLM(path, device="cpu", num_blocks=64, block_size=8)
+    params = ns.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for _ in range(2):                       # the second time, the prompts' blocks are cached
+        assert [o.token_ids for o in llm.generate(FAMILY_PROMPTS, params)] == ref
+    assert llm.engine.scheduler.num_cached_tokens > 0
+    check_pool_is_free(llm.engine)
+    queue = torch.multiprocessing.get_context("spawn").Queue()
+    run_processes(_family_generate, [(path, 2, queue)])
+    assert queue.get(timeout=10) == ref
+
+
+def test_unknown_families_and_sliding_windows_are_refused(mistral, tmp_path):
+    """An unknown model_type gets one line naming the supported ones. A sliding window shorter
+    than the context served is refused, unless the context is cut to it."""
+    config = json.loads(open(os.path.join(mistral[0], "config.json")).read())
+    for name in os.listdir(mistral[0]):
+        (tmp_path / name).symlink_to(os.path.join(mistral[0], name))
+    for changes, words in [({"model_type": "gemma"}, "'gemma' is not supported (llama, mistral"),
+                           ({"sliding_window": 256}, "sliding_window 256 is not supported")]:
+        (tmp_path / "config.json").unlink()
+        (tmp_path / "config.json").write_text(json.dumps(config | changes))
+        with pytest.raises(ValueError, match=re.escape(words)) as e:
+            Config(model=str(tmp_path), device="cpu")
+        assert "\n" not in str(e.value)
+    assert Config(model=str(tmp_path), device="cpu", max_model_len=256).max_model_len == 256
 
 
 SMOL_PROMPTS = ["The capital of France is",
