@@ -109,8 +109,8 @@ class Config:
     api_key: Optional[str] = _flag(None, "require 'Authorization: Bearer KEY' "
                                          "(default: $NANOSERVE_API_KEY)")
     max_request_bytes: int = _flag(16 * 2**20, "largest request body the server reads (413 beyond)")
-    tool_call_parser: str = _flag("auto", "the format of the model's tool calls: hermes or "
-                                          "llama3 (auto: read from its chat template)")
+    tool_call_parser: str = _flag("auto", "the format of the model's tool calls: hermes, llama3 "
+                                          "or mistral (auto: read from its chat template)")
     # -- architecture, read from config.json (never flags) --
     vocab_size: int = field(init=False, default=0)
     hidden_size: int = field(init=False, default=0)            # D
@@ -193,7 +193,7 @@ class Config:
                              "so that every running sequence can decode in one step")
         for name, allowed in [("attention", ("triton", "sdpa", "torch")),
                               ("dtype", ("float32", "bfloat16", "float16")),
-                              ("tool_call_parser", ("auto", "hermes", "llama3")),
+                              ("tool_call_parser", ("auto", "hermes", "llama3", "mistral")),
                               ("quantization", (None, "fp8"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -2286,6 +2286,12 @@ start: TEXT | call (SEP call)*
 TEXT: /(\s*[^{\s](.|\n)*)?/
 call: SCHEMA
 SEP: "; " """),
+    "mistral": ("[TOOL_CALLS] [", "]", "arguments", r"""   # Mistral v0.3: a JSON list of calls
+start: TEXT | head call (SEP call)* "]"
+TEXT: /(.|\n)*/
+head[lazy]: TEXT "[TOOL_CALLS] ["
+call: SCHEMA
+SEP: ", " """),
     "json": ("", "", "arguments", "start: call\ncall: SCHEMA"),    # a forced call: its JSON alone
 }
 
@@ -2306,12 +2312,14 @@ def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
     return out
 
 def tool_call_format(cfg: Config, template: str) -> str:
-    """How the model writes a call for tool_choice "auto": the flag's format, else Llama's if the
-    chat template writes <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (also
-    what _tools_as_text asks for)."""
+    """How the model writes a call for tool_choice "auto": the flag's format, else Mistral's if the
+    chat template writes [TOOL_CALLS], else Llama's if it writes <|python_tag|> or "parameters"
+    and no <tool_call>, else Hermes's (also what _tools_as_text asks for)."""
     llama = "<tool_call>" not in template and ("<|python_tag|>" in template
                                                or '"parameters"' in template)
     flag = cfg.tool_call_parser
+    if flag == "auto" and "[TOOL_CALLS]" in template:
+        return "mistral"
     return flag if flag != "auto" else "llama3" if llama else "hermes"
 
 MAX_SCHEMA_DEPTH = 128    # JSON nesting that llguidance reads (serde_json's limit)
@@ -2379,7 +2387,8 @@ def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
     if start == -1:
         held = next((k for k in range(len(trigger) - 1, 0, -1) if text.endswith(trigger[:k])), 0)
         return (text if final else text[:len(text) - held].rstrip()), []
-    head = re.compile(rf'\s*(?:{re.escape(trigger) or ";"})?\s*\{{\s*"name"\s*:\s*'
+    # Between two calls: a closing and an opening (Hermes), "; " (Llama) or ", " (Mistral)
+    head = re.compile(rf'\s*(?:{re.escape(trigger)}|[;,])?\s*\{{\s*"name"\s*:\s*'
                       rf'("(?:[^"\\]|\\.)*")\s*,\s*"{key}"\s*:\s*')
     calls, pos = [], start
     while m := head.match(text, pos):
@@ -2388,7 +2397,7 @@ def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
         except ValueError:            # still being written, or cut short
             return text[:start].rstrip(), calls + [[json.loads(m[1]), text[m.end():]]]
         calls.append([json.loads(m[1]), text[m.end():end]])
-        if not (after := re.compile(r"\s*\}\s*" + re.escape(closing)).match(text, end)):
+        if not (after := re.compile(rf"\s*\}}(?:\s*{re.escape(closing)})?").match(text, end)):
             break
         pos = after.end()
     return text[:start].rstrip(), calls

@@ -2581,6 +2581,17 @@ PARSER_CASES = {   # format: [(the model's text, finish_reason, content, [(name,
          [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]),
         ("Text first {} is text", "stop", "Text first {} is text", []),   # a call is the whole answer
         ('{"name": "get_time", "parameters": {"zo', "length", None, [("get_time", '{"zo')])],
+    "mistral": [
+        ("Sunny [in] Paris.", "stop", "Sunny [in] Paris.", []),
+        (f"[TOOL_CALLS] [{W_CALL}]", "stop", None,
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+        (f"[TOOL_CALLS] [{W_CALL}, {T_CALL}]", "stop", None,
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]),
+        (f"Let me look.[TOOL_CALLS] [{W_CALL}]", "stop", "Let me look.",
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+        ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zo', "length", None,
+         [("get_time", '{"zo')]),
+        ("Cut at [TOOL_C", "length", "Cut at [TOOL_C", [])],
 }
 
 
@@ -2623,7 +2634,8 @@ def test_tool_call_parsers(fmt, smol_llm):
                 c["id"] = None
             assert streamed == whole, (size, text)
             sent = [c["delta"].get("content") or "" for c in chunks]
-            assert not any(m in s for s in sent for m in ("<tool_call>", "</tool_call>")), sent
+            markup = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
+            assert not any(m in s for s in sent for m in markup), sent
             firsts = [tc for c in chunks for tc in c["delta"].get("tool_calls", []) if "id" in tc]
             assert [tc["function"]["name"] for tc in firsts] == [name for name, _ in calls]
         if finish == "stop":                       # what the grammar lets the model write
@@ -2645,10 +2657,27 @@ LLAMA_TEMPLATE = (   # a Llama-3.1-like template: tools in the user turn, calls 
     "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n{% endif %}{% for c in m.tool_calls or [] "
     "%}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}"
     "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+MISTRAL_TEMPLATE = (   # a Mistral-v0.3-like template: tools before the last [INST], calls as a list
+    "{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS] ["
+    "{% for t in tools %}{{ t | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "[/AVAILABLE_TOOLS]{% endif %}[INST] {{ m.content }}[/INST]{% elif m.tool_calls %}"
+    "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]</s>"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
 # logit_bias on the tokens of "<tool_call>" (or "{" for Llama's calls) makes the small model open
 # a call; from there the grammar writes it (the bias stays: "_" is each string's likeliest letter)
 OPEN_A_CALL = {"hermes": {"44": 100, "19324": 100, "79": 100, "4350": 100, "46": 100},
-               "llama3": {"107": 100, "39428": 100, "79": 100}}
+               "llama3": {"107": 100, "39428": 100, "79": 100},
+               "mistral": {str(t): 100 for t in (75, 10179, 7113, 79, 51, 3206, 12041, 77, 933)}}
+
+
+EARLIER_CALL = [{"role": "user", "content": "What time is it in Tokyo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "1", "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "JST"}'}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "9:00"},
+                {"role": "assistant", "content": "It is 9:00."}]
 
 
 def test_tool_call_format_detection(tmp_path):
@@ -2658,6 +2687,7 @@ def test_tool_call_format_detection(tmp_path):
     smol = json.loads(open(os.path.join(SMOL_DIR, "tokenizer_config.json")).read())
     for template, flag, fmt in [(HERMES_TEMPLATE, "auto", "hermes"),
                                 (LLAMA_TEMPLATE, "auto", "llama3"),
+                                (MISTRAL_TEMPLATE, "auto", "mistral"),
                                 (smol["chat_template"], "auto", "hermes"),   # renders no tools
                                 (HERMES_TEMPLATE, "llama3", "llama3")]:
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
@@ -2667,14 +2697,17 @@ def test_tool_call_format_detection(tmp_path):
 
 def test_auto_tool_calls(engine, client):
     """tool_choice "auto" on the small model: with templates that render tools (given here, in
-    both formats) and with the model's own, which renders none; a call comes back valid, streamed
+    three formats) and with the model's own, which renders none; a call comes back valid, streamed
     equal to non-streamed, and the round trip (call, result, answer) renders with the arguments
     as an object and is answered. Without the bias the model answers in text."""
-    front, messages = engine.front, [{"role": "user", "content": "What is the weather in Paris?"}]
-    kw = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0,
-              max_tokens=60, parallel_tool_calls=False)
-    own = front.chat_template
-    for source, fmt in [(HERMES_TEMPLATE, "hermes"), (None, "hermes"), (LLAMA_TEMPLATE, "llama3")]:
+    front, own = engine.front, engine.front.chat_template
+    for source, fmt in [(HERMES_TEMPLATE, "hermes"), (None, "hermes"), (LLAMA_TEMPLATE, "llama3"),
+                        (MISTRAL_TEMPLATE, "mistral")]:
+        # Mistral's opening takes the small model 9 tokens: an earlier call shows it their order
+        messages = (EARLIER_CALL if fmt == "mistral" else []) + [
+            {"role": "user", "content": "What is the weather in Paris?"}]
+        kw = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0,
+                  max_tokens=60, parallel_tool_calls=False)
         template = ns.ChatTemplate({"chat_template": source}) if source else own
         front.chat_template, front.tool_call_format = template, fmt
         try:
