@@ -1122,7 +1122,7 @@ def test_hub_copy_of_the_default_model_gets_its_own_folder(tmp_path, monkeypatch
     (tmp_path / download.DEFAULT_NAME).mkdir()             # the rebuild is there already
     fetched = []
 
-    def snapshot_download(repo_id, local_dir, allow_patterns):
+    def snapshot_download(repo_id, local_dir, allow_patterns, ignore_patterns):
         fetched.append(repo_id)
         os.makedirs(local_dir)
         open(os.path.join(local_dir, "model.safetensors"), "wb").close()
@@ -1132,6 +1132,34 @@ def test_hub_copy_of_the_default_model_gets_its_own_folder(tmp_path, monkeypatch
     assert out == tmp_path / "SmolLM2-135M-Instruct-hub" and (out / "model.safetensors").is_file()
     assert fetched == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert download.download("meta-llama/Llama-3.2-1B", tmp_path) == tmp_path / "Llama-3.2-1B"
+
+
+def test_hub_families_fetch_their_transformers_files(tmp_path, monkeypatch):
+    """Qwen3, Qwen2.5 and Mistral come from the hub as Llama does (a fake hub that filters as
+    the real one): Mistral's copy of its weights in its own format stays behind."""
+    import fnmatch
+    hub = pytest.importorskip("huggingface_hub")
+    repos = {"Qwen/Qwen3-0.6B": ["config.json", "model.safetensors", "merges.txt", "vocab.json"],
+             "Qwen/Qwen2.5-0.5B-Instruct": ["config.json", "model.safetensors", "LICENSE"],
+             "mistralai/Mistral-7B-Instruct-v0.3": [
+                 "config.json", "params.json", "model-00001-of-00003.safetensors",
+                 "consolidated.safetensors", "tokenizer.model.v3", "tokenizer.json"]}
+
+    def snapshot_download(repo_id, local_dir, allow_patterns, ignore_patterns):
+        os.makedirs(local_dir)
+        for name in repos[repo_id]:
+            if any(fnmatch.fnmatch(name, p) for p in allow_patterns) and \
+                    not any(fnmatch.fnmatch(name, p) for p in ignore_patterns):
+                open(os.path.join(local_dir, name), "wb").close()
+
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    got = {repo: sorted(os.listdir(download.download(repo, tmp_path))) for repo in repos}
+    assert got == {"Qwen/Qwen3-0.6B": ["config.json", "merges.txt", "model.safetensors",
+                                       "vocab.json"],
+                   "Qwen/Qwen2.5-0.5B-Instruct": ["config.json", "model.safetensors"],
+                   "mistralai/Mistral-7B-Instruct-v0.3": [
+                       "config.json", "model-00001-of-00003.safetensors", "params.json",
+                       "tokenizer.json"]}
 
 
 # ---------------------------------------------------------------------------
