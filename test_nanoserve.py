@@ -171,8 +171,8 @@ def prefill_meta(T, block_size=16):
         cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), is_decode=False)
 
 
-def ours_and_hf(model_dir, hf):
-    cfg = ns.Config(model=model_dir, device="cpu", num_blocks=64, block_size=16)
+def ours_and_hf(model_dir, hf, **settings):
+    cfg = ns.Config(model=model_dir, device="cpu", num_blocks=64, block_size=16, **settings)
     model = ns.build_model(cfg)
     for layer in model.layers:
         shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
@@ -1427,6 +1427,20 @@ def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K, split_k, monkeyp
         compare(out, ref, dtype, f"gemv M={M} N={N} K={K} split {split_k} norm={norm} "
                                  f"silu={silu_mul} res={residual}")
         assert (pa._split_k_counts(out.device) == 0).all(), "split-K counts not reset"
+
+
+@DEVICE_DTYPES
+def test_linear_adds_a_bias(device, dtype):
+    """A bias (Qwen2's q, k and v) takes the residual's path in pa.linear, so at batch 1 on the
+    GPU the GEMV adds it, read with a row stride of 0. Against F.linear with the bias."""
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    w, b = rand(48, 64) / 8, rand(48)
+    for M in (1, 3):
+        x = rand(M, 64)
+        ref = F.linear(x.float(), w.float(), b.float())
+        compare(pa.linear(x, w, bias=b), ref, dtype, f"linear + bias, M={M}")
+    compare(pa.gemv(x[:1], w, residual=b.expand(1, -1)), ref[:1], dtype, "gemv + bias")
 
 
 @pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
@@ -3689,6 +3703,24 @@ def test_fp8_quality_smol():
           f"(+{rise:.2%}), greedy agreement {agree:.1%}, worst layer {max(layer_err):.3f} "
           f"(layer {layer_err.index(max(layer_err))})")
     assert rise <= 0.04 and agree >= 0.90 and max(layer_err) <= 0.08
+
+
+@torch.no_grad()
+def test_fp8_keeps_the_biases_and_head_norms(qwen2, qwen3):
+    """fp8 quantizes the matmul weights only: Qwen2's q, k and v bias and Qwen3's per-head norms
+    stay in the model's dtype. So the fp8 model computes what the fp32 model computes with each
+    weight replaced by its fp8 value times its scale."""
+    ids = torch.arange(5, 45)
+    for path, _ in (qwen2, qwen3):
+        (cfg, fp8), (_, ref) = (ours_and_hf(path, None, quantization=q) for q in ("fp8", None))
+        for mine, theirs in zip(fp8.layers.modules(), ref.layers.modules()):
+            if isinstance(mine, torch.nn.Linear):
+                theirs.weight.copy_(mine.weight.float() * mine.weight.scale[:, None])
+        attn = fp8.layers[0].attn
+        kept = [attn.qkv_proj.bias] if cfg.qkv_bias else [attn.q_norm.weight, attn.k_norm.weight]
+        assert attn.qkv_proj.weight.dtype == pa.FP8 and {t.dtype for t in kept} == {torch.float32}
+        out = [m(ids, torch.arange(40), prefill_meta(40)) for m in (fp8, ref)]
+        assert_close(f"fp8 against its widened weights, {cfg.model}", *out, 1e-5)
 
 
 def _fp8_sharded_rank(rank, port):
