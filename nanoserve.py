@@ -1,6 +1,6 @@
 """nanoserve: a whole LLM inference engine in one file.
 
-This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big engines do, small
+This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engines do, small
 enough to read in an afternoon: a paged KV cache with a block allocator and prefix caching, a
 continuous-batching scheduler that mixes chunked prefills and decodes in one step, batched sampling
 with grammars for structured output, each step's forward pass replayed as one CUDA graph, and an
@@ -8,7 +8,7 @@ OpenAI-compatible HTTP server with SSE streaming. The kernels live next door in 
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
 no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA, beam
-search, multimodal inputs and every model family but Llama.
+search, multimodal inputs, sliding-window attention and every other model family.
 
 Run it:
     python download.py                                  # SmolLM2-135M-Instruct
@@ -148,8 +148,7 @@ class Config:
     def _read_model_config(self, c: dict):
         family = c.get("model_type", "llama")
         if family not in ("llama", "mistral", "qwen2", "qwen3"):
-            raise ValueError(f"model_type {family!r} is not supported (llama, mistral, qwen2, "
-                             f"qwen3)")
+            raise ValueError(f"model_type {family!r} is unsupported (llama, mistral, qwen2, qwen3)")
         if "quantization_config" in c:      # its bytes are not bf16: never load them as such
             q = c["quantization_config"]
             raise ValueError(f"checkpoint stored quantized ({q.get('quant_method')}, format "
@@ -173,11 +172,11 @@ class Config:
         self.qkv_bias, self.qk_norm = family == "qwen2", family == "qwen3"   # Qwen2, Qwen3
         limit = c.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.max_model_len or limit, limit)
-        # Mistral: each query sees only the last sliding_window keys. Qwen2 and Qwen3 turn it off.
+        # Mistral: a query sees only the last sliding_window keys. Qwen2 and Qwen3 turn that off.
         window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
         if window and window < self.max_model_len:
-            raise ValueError(f"sliding_window {window} is not supported: serve at most that "
-                             f"context (--max-model-len {window})")
+            raise ValueError(f"sliding_window {window} is unsupported: serve at most that "
+                             f"(--max-model-len {window})")
         eos = c.get("eos_token_id")
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -2273,7 +2272,8 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
 # between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
 # standing for the calls' JSON schema: free text until the trigger (the opening's tag, which a
 # lazy lexeme ends at once; for Llama, "{" first), strict from there. Llama's <|python_tag|>
-# (a special token, which the decoder drops) opens its built-in tools: left out.
+# (a special token, which the decoder drops) opens its built-in tools: left out. So is Mistral's
+# [TOOL_CALLS] where its tokenizer makes it a special token: only its text form is read.
 TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
     "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
 start: TEXT | head call (SEP call)* "\n"?
@@ -2659,7 +2659,8 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # the partial sums up, twice a layer, in pa.linear (all_reduce=True). Rank 0's part alone brings
 # the residual, so the sum counts it once. The embedding, norms and LM head stay whole, so every
 # rank holds the same residual stream. A rank's KV pool holds its n_kv/N heads, in the same
-# blocks. pa.shard cuts each checkpoint tensor as the loader reads it.
+# blocks. pa.shard cuts each checkpoint tensor (a q, k or v bias as its weight's rows) as the
+# loader reads it.
 # The engine core is rank 0, and start_workers runs ranks 1..N-1, each a process of its own.
 # Rank 0 alone schedules, computes logits and samples. The last all-reduce gives every rank the
 # same hidden states, and sampling reads host state (generators, grammars, tokens) that only

@@ -1635,7 +1635,8 @@ def shard(tensor, name, size):
     """This rank's part of the checkpoint tensor `name` (a Hugging Face key) in a
     model cut over `size` ranks. A column-parallel weight (N, K) keeps the rank's
     N / size rows (its heads, or its channels of I); a row-parallel one the same
-    share of its K input columns; embeddings, norms and the LM head stay whole.
+    share of its K input columns (a bias, 1-D, keeps the rows of its weight);
+    embeddings, norms (Qwen3's per-head ones too) and the LM head stay whole.
     E.g. SmolLM2's k_proj (3 KV heads x 64 rows, 576) over 3 ranks: rank 1 keeps
     rows 64-127, its one KV head; its o_proj (576, 9 x 64) keeps columns 192-383,
     those of its 3 query heads."""

@@ -277,8 +277,8 @@ def test_unknown_families_and_sliding_windows_are_refused(mistral, tmp_path):
     config = json.loads(open(os.path.join(mistral[0], "config.json")).read())
     for name in os.listdir(mistral[0]):
         (tmp_path / name).symlink_to(os.path.join(mistral[0], name))
-    for changes, words in [({"model_type": "gemma"}, "'gemma' is not supported (llama, mistral"),
-                           ({"sliding_window": 256}, "sliding_window 256 is not supported")]:
+    for changes, words in [({"model_type": "gemma"}, "'gemma' is unsupported (llama, mistral"),
+                           ({"sliding_window": 256}, "sliding_window 256 is unsupported")]:
         (tmp_path / "config.json").unlink()
         (tmp_path / "config.json").write_text(json.dumps(config | changes))
         with pytest.raises(ValueError, match=re.escape(words)) as e:
