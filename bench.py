@@ -34,7 +34,8 @@ in the same run), TFLOP/s and % of a measured matmul (bf16 on the GPU) for
 prefill. Speed does not depend on weight values, so `--random llama-3.2-1b`
 builds Llama-3.2-1B's exact shapes with random weights (no download needed);
 `--random llama-3.1-8b --tensor-parallel-size 2` runs Llama-3.1-8B's over two
-GPUs (the hardware figures are one GPU's).
+GPUs (the hardware figures are one GPU's), and `--random qwen3-0.6b` or
+`qwen3-8b` a Qwen3's (its per-head q and k norms).
 
 Left out on purpose: accuracy (see the tests), sampling
 (everything decodes greedily with EOS ignored, so each request generates
@@ -259,9 +260,9 @@ def pyplot():
 
 # ---------------------------------------------------------------------------
 # Models
-# A random-weight Llama with real shapes is saved once as safetensors with a
-# synthetic tokenizer ("<t{id}>" for every id), so the server can detokenize
-# random token ids. ModelShape holds the sizes the GB/s and FLOP counts need.
+# A random-weight model with real shapes (a Llama, or the family its spec's model_type names) is
+# saved once as safetensors with a synthetic tokenizer ("<t{id}>" for every id), so the server
+# can detokenize random token ids. ModelShape holds the sizes the GB/s and FLOP counts need.
 
 RANDOM_MODELS = {
     "llama-3.2-1b": dict(
@@ -279,6 +280,17 @@ RANDOM_MODELS = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5,
         bos_token_id=128000, eos_token_id=128001),
+    # Qwen3: an RMSNorm over each head of q and k; head_dim 128 is not D / n_heads at 0.6B
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-8b": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645),
     # head_dim 16: the smallest the Triton kernels take (tl.dot needs >= 16)
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -306,15 +318,16 @@ def build_random_model(name, out_dir, device, tokenizer=None):
     path = Path(out_dir) / (f"random-{name}" + (f"-{Path(tokenizer).name}" if tokenizer else ""))
     if (path / "tokenizer.json").is_file() and any(path.glob("*.safetensors")):
         return path
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     log(f"building random {name} on {device} into {path}")
     spec = dict(RANDOM_MODELS[name])
+    model_type = spec.pop("model_type", "llama")     # the transformers class that builds it
     if tokenizer:
         config = json.loads((Path(tokenizer) / "config.json").read_text())
         spec.update({k: config[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")})
     torch.manual_seed(0)
     with torch.device(device):  # init on the device: seconds instead of minutes for 1B
-        model = LlamaForCausalLM(LlamaConfig(**spec))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **spec))
     tmp = path.with_name(path.name + ".tmp")  # rename at the end: no half-written model is reused
     shutil.rmtree(tmp, ignore_errors=True)
     model.to("cpu", torch.bfloat16).save_pretrained(tmp)

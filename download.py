@@ -17,7 +17,8 @@ generation_config.json. This file makes such a folder in one of two ways.
   transformers names, and rebuild tokenizer.json from the vocabulary and
   merges stored in the GGUF metadata.
 - ORG/NAME: a safetensors checkpoint from the Hugging Face hub, e.g.
-  meta-llama/Llama-3.2-1B, into weights/NAME/. The token comes from HF_TOKEN
+  meta-llama/Llama-3.2-1B, Qwen/Qwen3-0.6B, Qwen/Qwen2.5-0.5B-Instruct or
+  mistralai/Mistral-7B-Instruct-v0.3, into weights/NAME/. The token comes from HF_TOKEN
   or the hub's saved login. HuggingFaceTB/SmolLM2-135M-Instruct, whose NAME
   is the default model's folder, goes to weights/SmolLM2-135M-Instruct-hub/:
   its own weights, not the 4-bit rebuild.
@@ -71,8 +72,11 @@ DEFAULT_FILES = ("config.json", "model.safetensors", "tokenizer.json",
 
 # What a hub checkpoint needs: configs and tokenizer.json (*.json), weights
 # (*.safetensors), and the tokenizer files some repos keep outside json.
+# Mistral's repos also hold the weights again in Mistral's own format
+# (consolidated.safetensors), which transformers does not read: left out.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja",
                 "merges.txt"]
+HUB_IGNORED = ["consolidated*"]
 
 
 class DownloadError(Exception):
@@ -432,7 +436,7 @@ def download_hub(repo_id: str, root: Path) -> Path:
     print(f"downloading {repo_id} from the hub into {out}")
     try:   # token=None: HF_TOKEN, else the login saved by `hf auth login`
         snapshot_download(repo_id, local_dir=partial,
-                          allow_patterns=HUB_PATTERNS)
+                          allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORED)
     except Exception as e:
         message = hub_error(repo_id, e)
         if message is None:

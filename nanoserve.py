@@ -1,6 +1,6 @@
 """nanoserve: a whole LLM inference engine in one file.
 
-This file serves Llama-family models (Llama-3.2-1B, SmolLM2) the way the big engines do, small
+This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engines do, small
 enough to read in an afternoon: a paged KV cache with a block allocator and prefix caching, a
 continuous-batching scheduler that mixes chunked prefills and decodes in one step, batched sampling
 with grammars for structured output, each step's forward pass replayed as one CUDA graph, and an
@@ -8,7 +8,7 @@ OpenAI-compatible HTTP server with SSE streaming. The kernels live next door in 
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
 no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA, beam
-search, multimodal inputs and every model family but Llama.
+search, multimodal inputs, sliding-window attention and every other model family.
 
 Run it:
     python download.py                                  # SmolLM2-135M-Instruct
@@ -109,8 +109,8 @@ class Config:
     api_key: Optional[str] = _flag(None, "require 'Authorization: Bearer KEY' "
                                          "(default: $NANOSERVE_API_KEY)")
     max_request_bytes: int = _flag(16 * 2**20, "largest request body the server reads (413 beyond)")
-    tool_call_parser: str = _flag("auto", "the format of the model's tool calls: hermes or "
-                                          "llama3 (auto: read from its chat template)")
+    tool_call_parser: str = _flag("auto", "the format of the model's tool calls: hermes, llama3 "
+                                          "or mistral (auto: read from its chat template)")
     # -- architecture, read from config.json (never flags) --
     vocab_size: int = field(init=False, default=0)
     hidden_size: int = field(init=False, default=0)            # D
@@ -123,6 +123,8 @@ class Config:
     rope_theta: float = field(init=False, default=10000.0)
     rope_scaling: Optional[dict] = field(init=False, default=None)  # llama3 keys or None
     tie_word_embeddings: bool = field(init=False, default=False)    # lm_head = embed_tokens
+    qkv_bias: bool = field(init=False, default=False)   # Qwen2: q, k and v projections add a bias
+    qk_norm: bool = field(init=False, default=False)    # Qwen3: RMSNorm over each head of q and k
     eos_token_ids: list = field(init=False, default_factory=list)   # any of them ends a sequence
 
     def __post_init__(self):
@@ -144,8 +146,9 @@ class Config:
         self._check()
 
     def _read_model_config(self, c: dict):
-        if c.get("model_type", "llama") != "llama":
-            raise ValueError(f"model_type {c.get('model_type')!r} is not supported (Llama only)")
+        family = c.get("model_type", "llama")
+        if family not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ValueError(f"model_type {family!r} is unsupported (llama, mistral, qwen2, qwen3)")
         if "quantization_config" in c:      # its bytes are not bf16: never load them as such
             q = c["quantization_config"]
             raise ValueError(f"checkpoint stored quantized ({q.get('quant_method')}, format "
@@ -166,8 +169,14 @@ class Config:
             raise ValueError(f"rope type {rope_type!r} is not supported (default or llama3)")
         self.rope_scaling = rope if rope_type == "llama3" else None
         self.tie_word_embeddings = c.get("tie_word_embeddings", False)
+        self.qkv_bias, self.qk_norm = family == "qwen2", family == "qwen3"   # Qwen2, Qwen3
         limit = c.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.max_model_len or limit, limit)
+        # Mistral: a query sees only the last sliding_window keys. Qwen2 and Qwen3 turn that off.
+        window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+        if window and window < self.max_model_len:
+            raise ValueError(f"sliding_window {window} is unsupported: serve at most that "
+                             f"(--max-model-len {window})")
         eos = c.get("eos_token_id")
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -183,7 +192,7 @@ class Config:
                              "so that every running sequence can decode in one step")
         for name, allowed in [("attention", ("triton", "sdpa", "torch")),
                               ("dtype", ("float32", "bfloat16", "float16")),
-                              ("tool_call_parser", ("auto", "hermes", "llama3")),
+                              ("tool_call_parser", ("auto", "hermes", "llama3", "mistral")),
                               ("quantization", (None, "fp8"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -317,8 +326,11 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         self.split_sizes = [q_size, kv_size, kv_size]      # the rows of q, k, v in qkv_proj
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)  # Qwen2
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:                                    # Qwen3: weights (hd,), shared by heads
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.scale = self.hd ** -0.5                       # softmax(q k^T / sqrt(hd))
         # triton, sdpa (the CPU path) or the torch references (pa.ATTENTION)
         self.rope_store, self.attend = pa.ATTENTION[cfg.attention]
@@ -328,8 +340,11 @@ class Attention(nn.Module):
     def forward(self, x, positions, rope, meta: AttentionMetadata, norm=None, residual=None):
         """residual + attention(norm(x)), norm and residual optional."""
         n = x.shape[0]
-        qkv = pa.linear(x, self.qkv_proj.weight, norm=norm)       # (N_tok, (n_heads + 2 n_kv) hd)
+        qkv = pa.linear(x, self.qkv_proj.weight, norm=norm,
+                        bias=self.qkv_proj.bias)           # (N_tok, (n_heads + 2 n_kv) hd) Qwen2
         q, k, v = (t.view(n, -1, self.hd) for t in qkv.split(self.split_sizes, dim=-1))
+        if hasattr(self, "q_norm"):        # Qwen3: each head of q and k normalized before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)                 # (N_tok, n_heads | n_kv, hd)
         # Rotate q and k by their positions, and write this step's K/V into the
         # pool first: attention then reads every key, old and new, from one place.
         self.rope_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, positions,
@@ -2258,7 +2273,8 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
 # between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
 # standing for the calls' JSON schema: free text until the trigger (the opening's tag, which a
 # lazy lexeme ends at once; for Llama, "{" first), strict from there. Llama's <|python_tag|>
-# (a special token, which the decoder drops) opens its built-in tools: left out.
+# (a special token, which the decoder drops) opens its built-in tools: left out. So is Mistral's
+# [TOOL_CALLS] where its tokenizer makes it a special token: only its text form is read.
 TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
     "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
 start: TEXT | head call (SEP call)* "\n"?
@@ -2271,6 +2287,12 @@ start: TEXT | call (SEP call)*
 TEXT: /(\s*[^{\s](.|\n)*)?/
 call: SCHEMA
 SEP: "; " """),
+    "mistral": ("[TOOL_CALLS] [", "]", "arguments", r"""   # Mistral v0.3: a JSON list of calls
+start: TEXT | head call (SEP call)* "]"
+TEXT: /(.|\n)*/
+head[lazy]: TEXT "[TOOL_CALLS] ["
+call: SCHEMA
+SEP: ", " """),
     "json": ("", "", "arguments", "start: call\ncall: SCHEMA"),    # a forced call: its JSON alone
 }
 
@@ -2291,12 +2313,14 @@ def _tools_as_text(messages: list, tools: Optional[list], fmt: str) -> list:
     return out
 
 def tool_call_format(cfg: Config, template: str) -> str:
-    """How the model writes a call for tool_choice "auto": the flag's format, else Llama's if the
-    chat template writes <|python_tag|> or "parameters" and no <tool_call>, else Hermes's (also
-    what _tools_as_text asks for)."""
+    """How the model writes a call for tool_choice "auto": the flag's format, else Mistral's if the
+    chat template writes [TOOL_CALLS], else Llama's if it writes <|python_tag|> or "parameters"
+    and no <tool_call>, else Hermes's (also what _tools_as_text asks for)."""
     llama = "<tool_call>" not in template and ("<|python_tag|>" in template
                                                or '"parameters"' in template)
     flag = cfg.tool_call_parser
+    if flag == "auto" and "[TOOL_CALLS]" in template:
+        return "mistral"
     return flag if flag != "auto" else "llama3" if llama else "hermes"
 
 MAX_SCHEMA_DEPTH = 128    # JSON nesting that llguidance reads (serde_json's limit)
@@ -2364,7 +2388,8 @@ def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
     if start == -1:
         held = next((k for k in range(len(trigger) - 1, 0, -1) if text.endswith(trigger[:k])), 0)
         return (text if final else text[:len(text) - held].rstrip()), []
-    head = re.compile(rf'\s*(?:{re.escape(trigger) or ";"})?\s*\{{\s*"name"\s*:\s*'
+    # Between two calls: a closing and an opening (Hermes), "; " (Llama) or ", " (Mistral)
+    head = re.compile(rf'\s*(?:{re.escape(trigger)}|[;,])?\s*\{{\s*"name"\s*:\s*'
                       rf'("(?:[^"\\]|\\.)*")\s*,\s*"{key}"\s*:\s*')
     calls, pos = [], start
     while m := head.match(text, pos):
@@ -2373,7 +2398,7 @@ def split_tool_calls(fmt: tuple, text: str, final: bool) -> tuple[str, list]:
         except ValueError:            # still being written, or cut short
             return text[:start].rstrip(), calls + [[json.loads(m[1]), text[m.end():]]]
         calls.append([json.loads(m[1]), text[m.end():end]])
-        if not (after := re.compile(r"\s*\}\s*" + re.escape(closing)).match(text, end)):
+        if not (after := re.compile(rf"\s*\}}(?:\s*{re.escape(closing)})?").match(text, end)):
             break
         pos = after.end()
     return text[:start].rstrip(), calls
@@ -2647,7 +2672,8 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # the partial sums up, twice a layer, in pa.linear (all_reduce=True). Rank 0's part alone brings
 # the residual, so the sum counts it once. The embedding, norms and LM head stay whole, so every
 # rank holds the same residual stream. A rank's KV pool holds its n_kv/N heads, in the same
-# blocks. pa.shard cuts each checkpoint tensor as the loader reads it.
+# blocks. pa.shard cuts each checkpoint tensor (a q, k or v bias as its weight's rows) as the
+# loader reads it.
 # The engine core is rank 0, and start_workers runs ranks 1..N-1, each a process of its own.
 # Rank 0 alone schedules, computes logits and samples. The last all-reduce gives every rank the
 # same hidden states, and sampling reads host state (generators, grammars, tokens) that only

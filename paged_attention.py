@@ -197,16 +197,19 @@ def apply_token_mask_ref(logits, rows, bitmask):   # (B, V) fp32, (R,) int64, (R
     return logits
 
 
-def norm(x, weight, eps):                                   # (N_tok, D)
-    """RMSNorm (rms_norm_ref): one Triton launch on the GPU, torch ops on the CPU."""
-    return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
+def norm(x, weight, eps):                                   # (N_tok, D) or (N_tok, heads, hd)
+    """RMSNorm (rms_norm_ref) over the last dim: one Triton launch on the GPU, torch ops on the
+    CPU. Qwen3 normalizes each head of q and k this way."""
+    if not x.is_cuda:
+        return rms_norm_ref(x, weight, eps)
+    return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
-def linear(x, weight, norm=None, silu_mul=False, residual=None,
+def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
            all_reduce=False):                             # (N_tok, K) -> (N_tok, N)
-    """residual + f(x) @ weight.T (gemv_ref), f being the RMSNorm module `norm`,
-    SiLU-and-mul (x = [gate, up]) or nothing, and residual optional: every
-    matmul of a layer.
+    """residual + f(x) @ weight.T + bias (gemv_ref), f being the RMSNorm module
+    `norm`, SiLU-and-mul (x = [gate, up]) or nothing, residual and bias
+    optional: every matmul of a layer.
 
     Prologue/epilogue fusion: at batch-1 decode on the GPU (GEMV_MAX_ROWS) a
     matmul is one read of the weight, and a norm, activation or add of its own
@@ -223,7 +226,13 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None,
     (row_parallel_linear). An fp8 weight carries its scales (quantize_fp8):
     the GEMV reads it as it is, a larger batch in bf16 on the GPU takes
     linear_fp8, and any other widens the weight as it goes (linear_fp8_ref:
-    correct, and slower than the model's own dtype)."""
+    correct, and slower than the model's own dtype).
+
+    A bias (N,) is a residual that every row shares, so it takes the residual's
+    path: the GEMV adds it as it writes, and under tensor parallelism only rank
+    0's part brings it."""
+    if bias is not None:
+        residual = bias.expand(x.shape[0], -1) if residual is None else residual + bias
     if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
         return row_parallel_linear(x, weight, norm, silu_mul, residual)
     norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
@@ -1626,7 +1635,8 @@ def shard(tensor, name, size):
     """This rank's part of the checkpoint tensor `name` (a Hugging Face key) in a
     model cut over `size` ranks. A column-parallel weight (N, K) keeps the rank's
     N / size rows (its heads, or its channels of I); a row-parallel one the same
-    share of its K input columns; embeddings, norms and the LM head stay whole.
+    share of its K input columns (a bias, 1-D, keeps the rows of its weight);
+    embeddings, norms (Qwen3's per-head ones too) and the LM head stay whole.
     E.g. SmolLM2's k_proj (3 KV heads x 64 rows, 576) over 3 ranks: rank 1 keeps
     rows 64-127, its one KV head; its o_proj (576, 9 x 64) keeps columns 192-383,
     those of its 3 query heads."""

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import re
 import select
 import signal
 import socket
@@ -92,6 +93,36 @@ def tiny(tmp_path_factory):
     return path, hf
 
 
+FAMILIES = ["qwen3", "qwen2", "mistral"]
+
+
+def tiny_family(model_type):
+    """A module fixture: a tiny random checkpoint of model_type, written by transformers' own
+    classes, with 2 KV heads (so 2 ranks split it). Qwen3 has a head_dim unlike D / n_heads and
+    ties its embedding; Qwen2 has its q, k and v biases; Mistral is Llama's layers."""
+    @pytest.fixture(scope="module", name=model_type)
+    def fixture(tmp_path_factory):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(
+            model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+            max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+            tie_word_embeddings=model_type == "qwen3", sliding_window=None, bos_token_id=1,
+            eos_token_id=2)
+        hf = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():   # larger weights than the default init, so outputs vary per token
+            for p in hf.parameters():
+                p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        path = str(tmp_path_factory.mktemp(model_type))
+        hf.save_pretrained(path)
+        return path, hf
+    return fixture
+
+
+qwen3, qwen2, mistral = (tiny_family(t) for t in FAMILIES)
+
+
 def ensure_smol() -> str:
     """The default model's folder. pytest makes it when it is missing
     (download.py converts it, as `nanoserve.py generate` does on first use);
@@ -140,8 +171,8 @@ def prefill_meta(T, block_size=16):
         cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32), is_decode=False)
 
 
-def ours_and_hf(model_dir, hf):
-    cfg = ns.Config(model=model_dir, device="cpu", num_blocks=64, block_size=16)
+def ours_and_hf(model_dir, hf, **settings):
+    cfg = ns.Config(model=model_dir, device="cpu", num_blocks=64, block_size=16, **settings)
     model = ns.build_model(cfg)
     for layer in model.layers:
         shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
@@ -156,7 +187,7 @@ def hf_layer_inputs(hf, x, T):
     return cos_sin, mask
 
 
-@pytest.mark.parametrize("which", ["tiny", "smol"])
+@pytest.mark.parametrize("which", ["tiny", "smol", *FAMILIES])
 @torch.no_grad()
 def test_layers_match_transformers(which, request):
     model_dir, hf = request.getfixturevalue(which)
@@ -185,7 +216,7 @@ def test_layers_match_transformers(which, request):
     assert_close("decoder layer", me(x, positions, ours.rope, prefill_meta(T)), block_ref[0], 1e-5)
 
 
-@pytest.mark.parametrize("which", ["tiny", "smol"])
+@pytest.mark.parametrize("which", ["tiny", "smol", *FAMILIES])
 @torch.no_grad()
 def test_logits_match_transformers(which, request):
     model_dir, hf = request.getfixturevalue(which)
@@ -208,6 +239,52 @@ def test_tiny_greedy_matches_transformers(tiny):
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 40)
     check_pool_is_free(llm.engine)
+
+
+FAMILY_PROMPTS = [list(range(5, 16)), [20, 21, 22], list(range(30, 90))]
+
+
+def _family_generate(path, tp, queue):
+    """Greedy tokens of FAMILY_PROMPTS at tp gloo ranks, with drafts (speculative decoding)."""
+    llm = ns.LLM(path, device="cpu", num_blocks=64, block_size=8, num_threads=1,
+                 tensor_parallel_size=tp, num_speculative_tokens=3)
+    params = ns.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    queue.put([o.token_ids for o in llm.generate(FAMILY_PROMPTS, params)])
+    llm.close()
+
+
+@pytest.mark.parametrize("which", FAMILIES)
+def test_family_greedy_matches_transformers(which, request):
+    """Each family decodes greedily as transformers does, token for token: alone, again from the
+    prefix cache, and over 2 gloo ranks with drafts (the shard rule cuts the q, k and v biases
+    as their rows; each rank keeps the per-head norms whole)."""
+    path, hf = request.getfixturevalue(which)
+    ref = [hf_greedy(hf, p, 24) for p in FAMILY_PROMPTS]
+    llm = ns.LLM(path, device="cpu", num_blocks=64, block_size=8)
+    params = ns.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for _ in range(2):                       # the second time, the prompts' blocks are cached
+        assert [o.token_ids for o in llm.generate(FAMILY_PROMPTS, params)] == ref
+    assert llm.engine.scheduler.num_cached_tokens > 0
+    check_pool_is_free(llm.engine)
+    queue = torch.multiprocessing.get_context("spawn").Queue()
+    run_processes(_family_generate, [(path, 2, queue)])
+    assert queue.get(timeout=10) == ref
+
+
+def test_unknown_families_and_sliding_windows_are_refused(mistral, tmp_path):
+    """An unknown model_type gets one line naming the supported ones. A sliding window shorter
+    than the context served is refused, unless the context is cut to it."""
+    config = json.loads(open(os.path.join(mistral[0], "config.json")).read())
+    for name in os.listdir(mistral[0]):
+        (tmp_path / name).symlink_to(os.path.join(mistral[0], name))
+    for changes, words in [({"model_type": "gemma"}, "'gemma' is unsupported (llama, mistral"),
+                           ({"sliding_window": 256}, "sliding_window 256 is unsupported")]:
+        (tmp_path / "config.json").unlink()
+        (tmp_path / "config.json").write_text(json.dumps(config | changes))
+        with pytest.raises(ValueError, match=re.escape(words)) as e:
+            Config(model=str(tmp_path), device="cpu")
+        assert "\n" not in str(e.value)
+    assert Config(model=str(tmp_path), device="cpu", max_model_len=256).max_model_len == 256
 
 
 SMOL_PROMPTS = ["The capital of France is",
@@ -1057,7 +1134,7 @@ def test_hub_copy_of_the_default_model_gets_its_own_folder(tmp_path, monkeypatch
     (tmp_path / download.DEFAULT_NAME).mkdir()             # the rebuild is there already
     fetched = []
 
-    def snapshot_download(repo_id, local_dir, allow_patterns):
+    def snapshot_download(repo_id, local_dir, allow_patterns, ignore_patterns):
         fetched.append(repo_id)
         os.makedirs(local_dir)
         open(os.path.join(local_dir, "model.safetensors"), "wb").close()
@@ -1067,6 +1144,34 @@ def test_hub_copy_of_the_default_model_gets_its_own_folder(tmp_path, monkeypatch
     assert out == tmp_path / "SmolLM2-135M-Instruct-hub" and (out / "model.safetensors").is_file()
     assert fetched == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert download.download("meta-llama/Llama-3.2-1B", tmp_path) == tmp_path / "Llama-3.2-1B"
+
+
+def test_hub_families_fetch_their_transformers_files(tmp_path, monkeypatch):
+    """Qwen3, Qwen2.5 and Mistral come from the hub as Llama does (a fake hub that filters as
+    the real one): Mistral's copy of its weights in its own format stays behind."""
+    import fnmatch
+    hub = pytest.importorskip("huggingface_hub")
+    repos = {"Qwen/Qwen3-0.6B": ["config.json", "model.safetensors", "merges.txt", "vocab.json"],
+             "Qwen/Qwen2.5-0.5B-Instruct": ["config.json", "model.safetensors", "LICENSE"],
+             "mistralai/Mistral-7B-Instruct-v0.3": [
+                 "config.json", "params.json", "model-00001-of-00003.safetensors",
+                 "consolidated.safetensors", "tokenizer.model.v3", "tokenizer.json"]}
+
+    def snapshot_download(repo_id, local_dir, allow_patterns, ignore_patterns):
+        os.makedirs(local_dir)
+        for name in repos[repo_id]:
+            if any(fnmatch.fnmatch(name, p) for p in allow_patterns) and \
+                    not any(fnmatch.fnmatch(name, p) for p in ignore_patterns):
+                open(os.path.join(local_dir, name), "wb").close()
+
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    got = {repo: sorted(os.listdir(download.download(repo, tmp_path))) for repo in repos}
+    assert got == {"Qwen/Qwen3-0.6B": ["config.json", "merges.txt", "model.safetensors",
+                                       "vocab.json"],
+                   "Qwen/Qwen2.5-0.5B-Instruct": ["config.json", "model.safetensors"],
+                   "mistralai/Mistral-7B-Instruct-v0.3": [
+                       "config.json", "model-00001-of-00003.safetensors", "params.json",
+                       "tokenizer.json"]}
 
 
 # ---------------------------------------------------------------------------
@@ -1334,6 +1439,20 @@ def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K, split_k, monkeyp
         compare(out, ref, dtype, f"gemv M={M} N={N} K={K} split {split_k} norm={norm} "
                                  f"silu={silu_mul} res={residual}")
         assert (pa._split_k_counts(out.device) == 0).all(), "split-K counts not reset"
+
+
+@DEVICE_DTYPES
+def test_linear_adds_a_bias(device, dtype):
+    """A bias (Qwen2's q, k and v) takes the residual's path in pa.linear, so at batch 1 on the
+    GPU the GEMV adds it, read with a row stride of 0. Against F.linear with the bias."""
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    w, b = rand(48, 64) / 8, rand(48)
+    for M in (1, 3):
+        x = rand(M, 64)
+        ref = F.linear(x.float(), w.float(), b.float())
+        compare(pa.linear(x, w, bias=b), ref, dtype, f"linear + bias, M={M}")
+    compare(pa.gemv(x[:1], w, residual=b.expand(1, -1)), ref[:1], dtype, "gemv + bias")
 
 
 @pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
@@ -2516,6 +2635,17 @@ PARSER_CASES = {   # format: [(the model's text, finish_reason, content, [(name,
          [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]),
         ("Text first {} is text", "stop", "Text first {} is text", []),   # a call is the whole answer
         ('{"name": "get_time", "parameters": {"zo', "length", None, [("get_time", '{"zo')])],
+    "mistral": [
+        ("Sunny [in] Paris.", "stop", "Sunny [in] Paris.", []),
+        (f"[TOOL_CALLS] [{W_CALL}]", "stop", None,
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+        (f"[TOOL_CALLS] [{W_CALL}, {T_CALL}]", "stop", None,
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]),
+        (f"Let me look.[TOOL_CALLS] [{W_CALL}]", "stop", "Let me look.",
+         [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+        ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zo', "length", None,
+         [("get_time", '{"zo')]),
+        ("Cut at [TOOL_C", "length", "Cut at [TOOL_C", [])],
 }
 
 
@@ -2558,7 +2688,8 @@ def test_tool_call_parsers(fmt, smol_llm):
                 c["id"] = None
             assert streamed == whole, (size, text)
             sent = [c["delta"].get("content") or "" for c in chunks]
-            assert not any(m in s for s in sent for m in ("<tool_call>", "</tool_call>")), sent
+            markup = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
+            assert not any(m in s for s in sent for m in markup), sent
             firsts = [tc for c in chunks for tc in c["delta"].get("tool_calls", []) if "id" in tc]
             assert [tc["function"]["name"] for tc in firsts] == [name for name, _ in calls]
         if finish == "stop":                       # what the grammar lets the model write
@@ -2580,10 +2711,27 @@ LLAMA_TEMPLATE = (   # a Llama-3.1-like template: tools in the user turn, calls 
     "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n{% endif %}{% for c in m.tool_calls or [] "
     "%}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}"
     "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+MISTRAL_TEMPLATE = (   # a Mistral-v0.3-like template: tools before the last [INST], calls as a list
+    "{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS] ["
+    "{% for t in tools %}{{ t | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "[/AVAILABLE_TOOLS]{% endif %}[INST] {{ m.content }}[/INST]{% elif m.tool_calls %}"
+    "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]</s>"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
 # logit_bias on the tokens of "<tool_call>" (or "{" for Llama's calls) makes the small model open
 # a call; from there the grammar writes it (the bias stays: "_" is each string's likeliest letter)
 OPEN_A_CALL = {"hermes": {"44": 100, "19324": 100, "79": 100, "4350": 100, "46": 100},
-               "llama3": {"107": 100, "39428": 100, "79": 100}}
+               "llama3": {"107": 100, "39428": 100, "79": 100},
+               "mistral": {str(t): 100 for t in (75, 10179, 7113, 79, 51, 3206, 12041, 77, 933)}}
+
+
+EARLIER_CALL = [{"role": "user", "content": "What time is it in Tokyo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "1", "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "JST"}'}}]},
+                {"role": "tool", "tool_call_id": "1", "content": "9:00"},
+                {"role": "assistant", "content": "It is 9:00."}]
 
 
 def test_tool_call_format_detection(tmp_path):
@@ -2593,6 +2741,7 @@ def test_tool_call_format_detection(tmp_path):
     smol = json.loads(open(os.path.join(SMOL_DIR, "tokenizer_config.json")).read())
     for template, flag, fmt in [(HERMES_TEMPLATE, "auto", "hermes"),
                                 (LLAMA_TEMPLATE, "auto", "llama3"),
+                                (MISTRAL_TEMPLATE, "auto", "mistral"),
                                 (smol["chat_template"], "auto", "hermes"),   # renders no tools
                                 (HERMES_TEMPLATE, "llama3", "llama3")]:
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
@@ -2602,14 +2751,17 @@ def test_tool_call_format_detection(tmp_path):
 
 def test_auto_tool_calls(engine, client):
     """tool_choice "auto" on the small model: with templates that render tools (given here, in
-    both formats) and with the model's own, which renders none; a call comes back valid, streamed
+    three formats) and with the model's own, which renders none; a call comes back valid, streamed
     equal to non-streamed, and the round trip (call, result, answer) renders with the arguments
     as an object and is answered. Without the bias the model answers in text."""
-    front, messages = engine.front, [{"role": "user", "content": "What is the weather in Paris?"}]
-    kw = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0,
-              max_tokens=60, parallel_tool_calls=False)
-    own = front.chat_template
-    for source, fmt in [(HERMES_TEMPLATE, "hermes"), (None, "hermes"), (LLAMA_TEMPLATE, "llama3")]:
+    front, own = engine.front, engine.front.chat_template
+    for source, fmt in [(HERMES_TEMPLATE, "hermes"), (None, "hermes"), (LLAMA_TEMPLATE, "llama3"),
+                        (MISTRAL_TEMPLATE, "mistral")]:
+        # Mistral's opening takes the small model 9 tokens: an earlier call shows it their order
+        messages = (EARLIER_CALL if fmt == "mistral" else []) + [
+            {"role": "user", "content": "What is the weather in Paris?"}]
+        kw = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0,
+                  max_tokens=60, parallel_tool_calls=False)
         template = ns.ChatTemplate({"chat_template": source}) if source else own
         front.chat_template, front.tool_call_format = template, fmt
         try:
@@ -3563,6 +3715,24 @@ def test_fp8_quality_smol():
           f"(+{rise:.2%}), greedy agreement {agree:.1%}, worst layer {max(layer_err):.3f} "
           f"(layer {layer_err.index(max(layer_err))})")
     assert rise <= 0.04 and agree >= 0.90 and max(layer_err) <= 0.08
+
+
+@torch.no_grad()
+def test_fp8_keeps_the_biases_and_head_norms(qwen2, qwen3):
+    """fp8 quantizes the matmul weights only: Qwen2's q, k and v bias and Qwen3's per-head norms
+    stay in the model's dtype. So the fp8 model computes what the fp32 model computes with each
+    weight replaced by its fp8 value times its scale."""
+    ids = torch.arange(5, 45)
+    for path, _ in (qwen2, qwen3):
+        (cfg, fp8), (_, ref) = (ours_and_hf(path, None, quantization=q) for q in ("fp8", None))
+        for mine, theirs in zip(fp8.layers.modules(), ref.layers.modules()):
+            if isinstance(mine, torch.nn.Linear):
+                theirs.weight.copy_(mine.weight.float() * mine.weight.scale[:, None])
+        attn = fp8.layers[0].attn
+        kept = [attn.qkv_proj.bias] if cfg.qkv_bias else [attn.q_norm.weight, attn.k_norm.weight]
+        assert attn.qkv_proj.weight.dtype == pa.FP8 and {t.dtype for t in kept} == {torch.float32}
+        out = [m(ids, torch.arange(40), prefill_meta(40)) for m in (fp8, ref)]
+        assert_close(f"fp8 against its widened weights, {cfg.model}", *out, 1e-5)
 
 
 def _fp8_sharded_rank(rank, port):
