@@ -200,9 +200,8 @@ def apply_token_mask_ref(logits, rows, bitmask):   # (B, V) fp32, (R,) int64, (R
 def norm(x, weight, eps):                                   # (N_tok, D) or (N_tok, heads, hd)
     """RMSNorm (rms_norm_ref) over the last dim: one Triton launch on the GPU, torch ops on the
     CPU. Qwen3 normalizes each head of q and k this way."""
-    if not x.is_cuda:
-        return rms_norm_ref(x, weight, eps)
-    return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape) if x.is_cuda \
+        else rms_norm_ref(x, weight, eps)
 
 
 def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
@@ -226,11 +225,8 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
     (row_parallel_linear). An fp8 weight carries its scales (quantize_fp8):
     the GEMV reads it as it is, a larger batch in bf16 on the GPU takes
     linear_fp8, and any other widens the weight as it goes (linear_fp8_ref:
-    correct, and slower than the model's own dtype).
-
-    A bias (N,) is a residual that every row shares, so it takes the residual's
-    path: the GEMV adds it as it writes, and under tensor parallelism only rank
-    0's part brings it."""
+    correct, and slower than the model's own dtype). A bias (N,) is a residual
+    that every row shares: it takes the residual's path (the GEMV adds it)."""
     if bias is not None:
         residual = bias.expand(x.shape[0], -1) if residual is None else residual + bias
     if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
