@@ -426,8 +426,8 @@ def build_model(cfg: Config) -> Model:
 # its own settings, so one request's choices never change another's. A seeded row draws its noise
 # from its own generator, seeded anew for each token by the request's seed and the token's
 # position. So a draw depends on nothing else: not the batch, nor which steps ran before. No
-# step waits for the host (no sync). Two chapters edit the logits
-# before the draw (logit_bias and penalties; grammar masks), and one reads them after (log-probs).
+# step waits for the host (no sync). Two chapters edit the logits before the draw (logit_bias
+# and penalties; grammar masks), and one reads them after (log-probs).
 
 @dataclass
 class SamplingParams:
@@ -2092,8 +2092,7 @@ def main(argv=None):
 # guessed), ScheduledBatch.draft_token_ids, Scheduler.__init__ and schedule (add_drafts),
 # ModelRunner._flatten (the drafts follow a row's newest token, and each row samples), prepare
 # (follow_accepted_drafts), EngineCore.step (reads_back_first: on the CPU, or with tensor
-# parallelism),
-# EngineCore._commit (accept), EngineCore.stats.
+# parallelism), EngineCore._commit (accept), EngineCore.stats.
 
 class NgramIndex:
     """A sequence's drafts (this chapter's opening tells the mechanism).
@@ -2155,12 +2154,12 @@ class Speculation:
         """Give the decoding rows of a scheduled batch their drafts. This runs once every row has
         its own tokens, so drafts take only the budget and the free blocks left. A draft never
         preempts a row or keeps one from running (Config's promise)."""
+        sched = self.scheduler
         for i, seq in enumerate(batch.seqs if self.speculates else []):
             drafts = self.draft(seq, min(budget, self.cfg.num_speculative_tokens))
-            sched = self.scheduler     # the blocks drafts need must be free already
             while drafts and sched._num_blocks_needed(seq, 1 + len(drafts)) > \
                     sched.allocator.num_free_blocks:
-                drafts.pop()
+                drafts.pop()                    # their blocks must be free already
             if drafts:
                 sched._reserve_blocks(seq, 1 + len(drafts))
                 batch.draft_token_ids[seq] = drafts
