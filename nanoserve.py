@@ -497,7 +497,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
 # Block allocator
 # The KV pool is cut into blocks of block_size tokens. A block is shared by every sequence whose
 # prefix it holds, so it has a reference count. A full block is also named by a hash of its whole
-# prefix (prefix caching). Once unused, it stays findable by that name until the pool needs it.
+# prefix (chapter: prefix caching). Once unused, it stays findable by that name until the pool
+# needs it.
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):
@@ -545,11 +546,6 @@ class BlockAllocator:
             self.block_hashes[block] = prefix_hash
             self.cached_blocks[prefix_hash] = block
 
-def prefix_hash(parent: Optional[int], token_ids) -> int:
-    """Name a full block by its tokens and, through the parent's hash (None for the first block),
-    everything before it. A name lives as long as the process: no other run needs to agree."""
-    return hash((parent, tuple(token_ids)))
-
 # ---------------------------------------------------------------------------
 # Scheduler
 # Every step the scheduler decides which sequences run and how many of their tokens. Running
@@ -557,10 +553,6 @@ def prefix_hash(parent: Optional[int], token_ids) -> int:
 # only one token of the budget. An unfinished prefill takes a chunk of the budget. Waiting
 # sequences come next, in arrival order; a preempted one is first in line. They are admitted
 # while the budget, the seats (max_num_seqs) and the free blocks last.
-# At a burst, waiting prompts fill whole steps. Then decodes ride along only every
-# DECODES_EVERY-th step. A decode costs about as much in a full prompt step as alone, since its
-# K/V is read either way. So its cost is paid in one step of those, prompts get the rest sooner,
-# and streams still move (README, Speed).
 # When the pool runs dry, the latest admitted sequence is preempted: freed, and recomputed later.
 
 class Sequence:
@@ -583,8 +575,7 @@ class Sequence:
         self.num_computed_tokens = 0     # tokens launched: their K/V are in the cache or on the way
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
         self.block_table: list[int] = []                   # logical block i -> pool block id
-        self.block_hashes: list[int] = []  # prefix hashes of the full blocks, in order
-        self.num_named_blocks = 0        # leading blocks already offered to the prefix cache
+        self.block_hashes, self.num_named_blocks = [], 0       # chapter: prefix caching
         self.num_pending_tokens = 0      # launched to be sampled, not yet in token_ids (above)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
@@ -605,21 +596,21 @@ class ScheduledBatch:
     is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
 
 class Scheduler:
-    DECODES_EVERY = 4     # at a burst, decodes ride along every 4th step (the burst rule, above)
+    DECODES_EVERY = 4     # chapter: the burst rule (at a burst, decodes ride along every 4th step)
 
     def __init__(self, cfg: Config, allocator: BlockAllocator):
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
         self.waiting: deque[Sequence] = deque()            # FIFO; a preempted one goes first
         self.running: list[Sequence] = []      # in admission order
         self.num_steps = self.num_preemptions = 0    # counts; a step that preempts admits no one
-        self.num_cached_tokens = self.num_prompt_tokens = 0  # prefix-cache counters
+        self.num_cached_tokens = self.num_prompt_tokens = 0   # chapter: prefix caching (counts)
         self.speculation = Speculation(cfg, self)             # chapter: speculative decoding
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
         self.num_steps += 1
-        decodes_wait = self._decodes_wait(budget)
+        decodes_wait = decodes_wait_at_burst(self, budget)    # chapter: the burst rule
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
             if budget == 0:
@@ -636,14 +627,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and self.num_preemptions == num_preemptions_before:
             seq = self.waiting[0]
-            self._reuse_cached_prefix(seq)
+            reuse_cached_prefix(self, seq)                    # chapter: prefix caching
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._num_blocks_needed(seq, n) > self.allocator.num_free_blocks:
                 self._free_blocks(seq)         # give back the shared prefix; retry later
                 break
             self._reserve_blocks(seq, n)
             self.waiting.popleft()
-            self._count_prefix_hits(seq)
+            count_prefix_hits(self, seq)                      # chapter: prefix caching
             seq.status = "running"
             self.running.append(seq)
             batch.seqs.append(seq), batch.num_new_tokens.append(n)
@@ -655,20 +646,8 @@ class Scheduler:
         """Whether a running sequence takes part in the step being built: not if preempted earlier
         in this step's loop, nor if its pending token is its last, nor a decode held back."""
         preempted = seq.status != "running"
-        held_back = decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens  # burst rule
+        held_back = decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens
         return not (preempted or self._ends_when_read(seq) or held_back)
-
-    def _decodes_wait(self, budget: int) -> bool:
-        """The burst rule (above). True if decodes sit this step out for prompts, while prompts
-        can take their place. That needs a free seat, prompts enough to fill a step, and room in
-        the pool for two full steps of prompt tokens. With less room, admission would soon stop
-        on blocks, and the decodes would wait for nothing."""
-        if self.num_steps % self.DECODES_EVERY == 0:
-            return False                          # this step, decodes ride along
-        seat_free = len(self.running) < self.cfg.max_num_seqs
-        room = self.allocator.num_free_blocks * self.block_size >= 2 * budget
-        fills_step = sum(seq.num_tokens for seq in self.waiting) >= budget
-        return seat_free and room and fills_step
 
     def _ends_when_read(self, seq: Sequence) -> bool:
         """True if seq's pending token is its last by length: no later step is worth launching."""
@@ -707,50 +686,7 @@ class Scheduler:
         # Tail blocks first: evicted before the heads, which other prompts are likelier to reuse
         for block in reversed(seq.block_table):
             self.allocator.free(block)
-        seq.block_table, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
-
-    # -- prefix caching --
-    def _reuse_cached_prefix(self, seq: Sequence):
-        """Point seq at the cached blocks of its longest cached prefix."""
-        if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return        # chapter: log-probs and logit edits (prompt log-probs need every row)
-        self._hash_full_blocks(seq)
-        # Leave the last token out: computed for its logits, its K/V must never enter a shared block
-        num_reusable = (seq.num_tokens - 1) // self.block_size
-        for h in seq.block_hashes[:num_reusable]:
-            block = self.allocator.lookup(h)
-            if block is None:
-                break
-            self.allocator.share(block)
-            seq.block_table.append(block)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
-
-    def _count_prefix_hits(self, seq: Sequence):
-        self.num_cached_tokens += seq.num_computed_tokens
-        self.num_prompt_tokens += seq.num_tokens
-        # no output yet: a recompute keeps its first count (a prompt preempted mid-prefill then
-        # counts its own named blocks as hits)
-        if seq.num_tokens == seq.num_prompt_tokens:
-            seq.num_cached_tokens = seq.num_computed_tokens
-
-    def _hash_full_blocks(self, seq: Sequence):
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(prefix_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
-
-    def cache_computed_blocks(self, seq: Sequence):
-        """After a step is read back, name the blocks just filled. One may still be being written by
-        the step launched after it (num_computed_tokens counts launched ones), which is safe: a step
-        reading it via a prefix-cache hit is launched later on the same CUDA stream, so runs after
-        the write. Only read-back tokens are hashed (the pending one is not in token_ids)."""
-        if not self.cfg.enable_prefix_caching:
-            return
-        self._hash_full_blocks(seq)
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
-        for i in range(seq.num_named_blocks, num_full):   # only the newly full ones
-            self.allocator.cache(seq.block_table[i], seq.block_hashes[i])
-        seq.num_named_blocks = max(seq.num_named_blocks, num_full)
+        seq.block_table, seq.num_computed_tokens = [], 0
 
     def finish(self, seq: Sequence, reason: str):
         (self.running if seq.status == "running" else self.waiting).remove(seq)
@@ -1182,7 +1118,7 @@ class EngineCore:
                 if not seq.is_finished:         # else aborted, or ended by the step before
                     outputs.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
-            self.scheduler.cache_computed_blocks(seq)    # a finished one has no blocks left
+            name_computed_blocks(self.scheduler, seq)   # chapter: prefix caching (none if finished)
         self.num_generated_tokens += len(outputs)
         return outputs
 
@@ -1196,7 +1132,7 @@ class EngineCore:
         add_logprobs(out, seq, logprobs)                 # chapter: log-probs and logit edits
         out.finish_reason = self._finish_reason(seq, token)
         if out.finish_reason is not None:
-            self.scheduler.cache_computed_blocks(seq)    # before its blocks are freed
+            name_computed_blocks(self.scheduler, seq)   # chapter: prefix caching (before the free)
             self.scheduler.finish(seq, out.finish_reason)
             del self.seqs[seq.request_id]
         return out
@@ -2046,6 +1982,87 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
+
+# ---------------------------------------------------------------------------
+# Chapter: prefix caching
+# Many prompts begin alike: a system prompt, a chat's earlier turns, a few-shot preamble. The K/V
+# of a token depend only on it and the tokens before it. So a full block is named by a hash of
+# its whole prefix (prefix_hash), and a sequence admitted later points its block table at the
+# named blocks of its longest cached prefix. It computes only the rest. The names live in the
+# BlockAllocator: a named block that no one uses stays findable until the pool needs it.
+# Seams: Sequence (block_hashes, num_named_blocks), Scheduler.schedule (reuse_cached_prefix and
+# count_prefix_hits, when a sequence is admitted), EngineCore._commit and _append_token
+# (name_computed_blocks), and the Scheduler's counts for EngineCore.stats.
+
+def prefix_hash(parent: Optional[int], token_ids) -> int:
+    """Name a full block by its tokens and, through the parent's hash (None for the first block),
+    everything before it. A name lives as long as the process: no other run needs to agree."""
+    return hash((parent, tuple(token_ids)))
+
+def _hash_full_blocks(seq: Sequence, bs: int):
+    for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        seq.block_hashes.append(prefix_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+def reuse_cached_prefix(scheduler: Scheduler, seq: Sequence):
+    """Point seq at the cached blocks of its longest cached prefix; they are named already."""
+    seq.num_named_blocks = 0
+    if not scheduler.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        return        # chapter: log-probs and logit edits (prompt log-probs need every row)
+    bs, allocator = scheduler.block_size, scheduler.allocator
+    _hash_full_blocks(seq, bs)
+    # Leave the last token out: computed for its logits, its K/V must never enter a shared block
+    for h in seq.block_hashes[:(seq.num_tokens - 1) // bs]:
+        block = allocator.lookup(h)
+        if block is None:
+            break
+        allocator.share(block)
+        seq.block_table.append(block)
+    seq.num_named_blocks = len(seq.block_table)
+    seq.num_computed_tokens = seq.num_named_blocks * bs
+
+def count_prefix_hits(scheduler: Scheduler, seq: Sequence):
+    """Once seq is admitted: its prompt and cached tokens into the counts of /metrics."""
+    scheduler.num_cached_tokens += seq.num_computed_tokens
+    scheduler.num_prompt_tokens += seq.num_tokens
+    # no output yet: a recompute keeps its first count (a prompt preempted mid-prefill then
+    # counts its own named blocks as hits)
+    if seq.num_tokens == seq.num_prompt_tokens:
+        seq.num_cached_tokens = seq.num_computed_tokens
+
+def name_computed_blocks(scheduler: Scheduler, seq: Sequence):
+    """After a step is read back, name the blocks just filled. One may still be being written by
+    the step launched after it (num_computed_tokens counts launched ones), which is safe: a step
+    reading it via a prefix-cache hit is launched later on the same CUDA stream, so runs after
+    the write. Only read-back tokens are hashed (the pending one is not in token_ids)."""
+    if not scheduler.cfg.enable_prefix_caching:
+        return
+    _hash_full_blocks(seq, scheduler.block_size)
+    num_full = min(seq.num_computed_tokens // scheduler.block_size, len(seq.block_hashes))
+    for i in range(seq.num_named_blocks, num_full):   # only the newly full ones
+        scheduler.allocator.cache(seq.block_table[i], seq.block_hashes[i])
+    seq.num_named_blocks = max(seq.num_named_blocks, num_full)
+
+# ---------------------------------------------------------------------------
+# Chapter: the burst rule
+# At a burst, waiting prompts fill whole steps. Then decodes ride along only every
+# DECODES_EVERY-th step. A decode costs about as much in a full prompt step as alone, since its
+# K/V is read either way. So its cost is paid in one step of those, prompts get the rest sooner,
+# and streams still move (README, Speed).
+# Seams: Scheduler.DECODES_EVERY, and Scheduler.schedule (decodes_wait_at_burst), whose answer
+# _runs_this_step reads.
+
+def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
+    """True if decodes sit this step out for prompts, while prompts can take their place. That
+    needs a free seat, prompts enough to fill a step, and room in the pool for two full steps of
+    prompt tokens. With less room, admission would soon stop on blocks, and the decodes would
+    wait for nothing."""
+    if scheduler.num_steps % scheduler.DECODES_EVERY == 0:
+        return False                          # this step, decodes ride along
+    seat_free = len(scheduler.running) < scheduler.cfg.max_num_seqs
+    room = scheduler.allocator.num_free_blocks * scheduler.block_size >= 2 * budget
+    fills_step = sum(seq.num_tokens for seq in scheduler.waiting) >= budget
+    return seat_free and room and fills_step
 
 # ---------------------------------------------------------------------------
 # Chapter: speculative decoding
