@@ -1145,21 +1145,6 @@ class EngineCore:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
 
-    def fail_running(self, error: BaseException, waiting: bool = False) -> list:
-        """A step raised. Every running sequence ends in error, and its blocks are freed. Waiting
-        ones stay queued (unless `waiting`), none with a pending token, since the launched step is
-        dropped unread. The outputs the step had read back come first in the list: a request
-        they finish runs no more, so they are its last."""
-        self.launched = None
-        stop_out_of_step(self.runner.workers, error)       # chapter: tensor parallelism
-        failed = [s for s in self.seqs.values() if waiting or s.status == "running"]
-        for seq in failed:
-            self.abort_request(seq.request_id)
-        for seq in self.seqs.values():
-            seq.num_pending_tokens = 0
-        return self.committed + [EngineCoreOutput(s.request_id, None, finish_reason="error",
-                                 error=f"the engine failed: {error!r}") for s in failed]
-
     def stats(self) -> dict:
         """The engine's gauges, and counters (the _total ones), by their /metrics names less the
         nanoserve_ prefix."""
@@ -1415,7 +1400,7 @@ class LLM:
             try:
                 outputs = self.engine.step()
             except BaseException as e:
-                self.front.process(self.engine.fail_running(e, waiting=True))
+                self.front.process(fail_running(self.engine, e, waiting=True))   # chapter: faults
                 raise
             _, stopped = self.front.process(outputs)
             for request_id in stopped:
@@ -1465,7 +1450,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """The engine core process's main thread. It owns the scheduler, the BlockAllocator, the
     ModelRunner and the device, and steps while work is queued. `setup(core)` runs first if given
     (tests inject faults)."""
-    follow_parent(outbox)          # chapter: signals (Ctrl-C is the server's; its death ends us)
+    follow_parent(outbox)          # chapter: faults (Ctrl-C is the server's; its death ends us)
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
         core = EngineCore(cfg)
@@ -1502,7 +1487,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
                 outputs += core.step()
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
-                outputs += core.fail_running(e)
+                outputs += fail_running(core, e)            # chapter: faults
                 exit_on_failed_step(core.runner.workers)      # chapter: tensor parallelism
         sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
 
@@ -1517,8 +1502,8 @@ class EngineCoreClient:
         self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
         self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
                                    args=(cfg, inbox_end, outbox_end, setup), daemon=True)
-        with child_stopped_on_error(self.process, self.outbox):   # chapter: signals (Ctrl-C)
-            with sigint_held():                # chapter: signals (Ctrl-C is the server's)
+        with child_stopped_on_error(self.process, self.outbox):   # chapter: faults (Ctrl-C)
+            with sigint_held():                # chapter: faults (Ctrl-C is the server's)
                 self.process.start()
             inbox_end.close()                  # the child's ends, closed here: a dead child
             outbox_end.close()                 # then reads as EOF
@@ -1552,7 +1537,7 @@ class EngineCoreClient:
             self.front.states[request_id].queue = changed
         try:
             if self.error:                          # died since the handler checked
-                self._fail_all()
+                fail_all(self)                      # chapter: faults
             self.outgoing.put(requests)             # a dead process: receive says so
             while unfinished:
                 state = await changed.get()
@@ -1594,7 +1579,7 @@ class EngineCoreClient:
                         messages.append(self.outbox.recv())
                     loop.call_soon_threadsafe(self._deliver, messages)
             except (EOFError, OSError):
-                loop.call_soon_threadsafe(self._engine_died)
+                loop.call_soon_threadsafe(engine_died, self)   # chapter: faults
 
     def _deliver(self, messages: list):
         """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
@@ -1605,19 +1590,6 @@ class EngineCoreClient:
         for state in states:
             self.metrics.observe(state, now)      # chapter: the rest of the OpenAI API (/metrics)
             state.queue.put_nowait(state)
-
-    def _engine_died(self):
-        """Every request in flight ends with an error; /health turns 503."""
-        self.process.join(1)
-        self.error = f"the engine core process exited (exit code {self.process.exitcode})"
-        print(f"error: {self.error}; failing every request in flight", file=sys.stderr)
-        self._fail_all()
-
-    def _fail_all(self):
-        for state in self.front.states.values():
-            state.finish_reason, state.error = "error", self.error
-            state.queue.put_nowait(state)
-        self.front.states.clear()
 
 # ---------------------------------------------------------------------------
 # Server
@@ -3265,7 +3237,11 @@ class ServerMetrics:
             yield family(f"nanoserve_{name.removesuffix('_total')}", name, value=value)
 
 # ---------------------------------------------------------------------------
-# Chapter: signals
+# Chapter: faults
+# A fault ends the requests it touches, with finish_reason "error", and nothing else. A step
+# that raises fails the running requests (fail_running): the engine core process and the LLM go
+# on with the waiting ones. An engine core process that dies fails every request in flight, and
+# the server stays up to say so (engine_died).
 # Ctrl-C sends SIGINT to every process of the terminal's group: the server or the LLM's process,
 # the engine core, and the tensor-parallel workers alike. Only the parent acts on it. It stops its
 # children by closing their pipes, which they read as EOF. Three helpers keep that true at every
@@ -3275,8 +3251,38 @@ class ServerMetrics:
 # While the engine core loads, it reads no pipe. So a server stopped then (child_stopped_on_error)
 # closes the engine core's outbox instead, which the engine core watches too, and it ends at
 # once with its workers.
-# Seams: EngineCoreClient (child_stopped_on_error, sigint_held) and run_engine_core
-# (follow_parent); the tensor-parallel workers use the last two alike.
+# Seams: LLM.run and run_engine_core (fail_running), EngineCoreClient (child_stopped_on_error,
+# sigint_held; receive and generate: engine_died, fail_all) and run_engine_core (follow_parent);
+# the tensor-parallel workers use the last two alike.
+
+def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) -> list:
+    """A step raised. Every running sequence ends in error, and its blocks are freed. Waiting
+    ones stay queued (unless `waiting`), none with a pending token, since the launched step is
+    dropped unread. The outputs the step had read back come first in the list: a request they
+    finish runs no more, so they are its last."""
+    core.launched = None
+    stop_out_of_step(core.runner.workers, error)       # chapter: tensor parallelism
+    failed = [s for s in core.seqs.values() if waiting or s.status == "running"]
+    for seq in failed:
+        core.abort_request(seq.request_id)
+    for seq in core.seqs.values():
+        seq.num_pending_tokens = 0
+    return core.committed + [EngineCoreOutput(s.request_id, None, finish_reason="error",
+                             error=f"the engine failed: {error!r}") for s in failed]
+
+def engine_died(client: EngineCoreClient):
+    """The engine core process is gone. Every request in flight ends with an error, and /health
+    turns 503."""
+    client.process.join(1)
+    client.error = f"the engine core process exited (exit code {client.process.exitcode})"
+    print(f"error: {client.error}; failing every request in flight", file=sys.stderr)
+    fail_all(client)
+
+def fail_all(client: EngineCoreClient):
+    for state in client.front.states.values():
+        state.finish_reason, state.error = "error", client.error
+        state.queue.put_nowait(state)
+    client.front.states.clear()
 
 @contextlib.contextmanager
 def child_stopped_on_error(process, outbox):

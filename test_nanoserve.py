@@ -384,7 +384,7 @@ def test_failed_step_keeps_the_waiting_sequences(smol_llm):
         try:
             outputs = engine.step()
         except RuntimeError as e:
-            outputs = engine.fail_running(e)
+            outputs = ns.fail_running(engine, e)
         small.front.process(outputs)
     assert not engine.has_unfinished()
     assert failed and failed[0], "no preemption before the failure"
