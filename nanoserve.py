@@ -2136,24 +2136,17 @@ class Speculation:
         self.cfg, self.scheduler = cfg, scheduler
         self.in_flight = {}       # the drafts of the step scheduled last, by sequence (on the
                                   # device while the next step is scheduled)
-        # Whether rows follow a drafting step on the device (the opening), or that step is read
-        # back first. Not on the CPU, where the forward pass is the host's and nothing runs
-        # ahead to hide; nor across tensor-parallel ranks, which lay out their own inputs.
+        # Whether rows follow a drafting step on the device, or it is read back first (the
+        # opening's last paragraph; tensor-parallel ranks lay out their own inputs, so not there)
         self.follows_on_device = cfg.device != "cpu" and cfg.tensor_parallel_size == 1
         self.num_draft_tokens = self.num_accepted_tokens = 0
 
     speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens
                           and len(self.scheduler.running) <= self.SPECULATE_MAX_ROWS)
 
-    @staticmethod
-    def can_draft(seq: Sequence) -> bool:
-        """Rows with a grammar or a penalty never draft (the chapter's opening says why)."""
-        return seq.matcher is None and not seq.params.needs_output_history
-
     def add_drafts(self, batch: ScheduledBatch, budget: int):
-        """Give the decoding rows of a scheduled batch their drafts. This runs once every row has
-        its own tokens, so drafts take only the budget and the free blocks left. A draft never
-        preempts a row or keeps one from running (Config's promise)."""
+        """Give the decoding rows of a scheduled batch their drafts, from what every row left of the
+        budget and the free blocks: a draft never preempts a row or keeps one from running."""
         sched = self.scheduler
         for i, seq in enumerate(batch.seqs if self.speculates else []):
             drafts = self.draft(seq, min(budget, self.cfg.num_speculative_tokens))
@@ -2171,8 +2164,9 @@ class Speculation:
         """Up to k drafts for seq, if it decodes. Accepting them all stays within the length
         limits, counting its pending tokens as if the step before keeps every draft."""
         num_tokens = seq.num_tokens + seq.num_pending_tokens
-        if not self.can_draft(seq) or seq.num_computed_tokens != num_tokens - 1:
-            return []                                        # a prefill chunk
+        if seq.num_computed_tokens != num_tokens - 1 or seq.matcher is not None \
+                or seq.params.needs_output_history:
+            return []      # a prefill chunk, or a row with a grammar or a penalty (the opening)
         k = min(k, self.cfg.max_model_len - num_tokens - 1,
                 seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1)
         seq.ngrams.extend(seq.token_ids)
@@ -2237,10 +2231,8 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
     moved = [(row, seq) for row, seq in pending if seq in drafted]
     if not moved:
         return
-    first_row, index = {}, {seq: i for i, seq in enumerate(batch.seqs)}
-    for i, seq in enumerate(prev.seqs):               # a sequence's sampled rows are adjacent
-        first_row.setdefault(seq, i)
-    plan = [(first_row[seq], len(drafted[seq]), row,
+    index = {seq: i for i, seq in enumerate(batch.seqs)}
+    plan = [(prev.seqs.index(seq), len(drafted[seq]), row,    # seq's first sampled row in prev
              1 + len(batch.draft_token_ids.get(seq, [])), index[seq]) for row, seq in moved]
     drafts = [drafted[seq] + [-1] * (16 - len(drafted[seq])) for _, seq in moved]
     b, dev = runner.buffers, runner.device
@@ -2687,20 +2679,18 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # (exit_on_worker_death, exit_on_failed_step).
 
 def start_workers(cfg, make_runner):
-    """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
-    that builds make_runner(cfg) (ModelRunner) and follows rank 0's steps
-    (_follow_steps), and join them in one process group. Returns their
-    TensorParallelWorkers; None at size 1, or on a worker (in the group already).
-    One engine per process uses the group: another is refused while it is open (on GPUs,
-    for good: _close_workers)."""
+    """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process that
+    builds make_runner(cfg) (ModelRunner) and follows rank 0's steps (_follow_steps), and join
+    them in one process group. Returns their TensorParallelWorkers; None at size 1, or on a
+    worker (in the group already). One engine per process uses the group: another is refused
+    while it is open (on GPUs, for good: _close_workers)."""
     n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
-    if n < 1 or cfg.num_kv_heads % n or cfg.intermediate_size % n:
-        sizes = [k for k in range(1, cfg.num_kv_heads + 1)
-                 if cfg.num_kv_heads % k == 0 and cfg.intermediate_size % k == 0]
+    g = math.gcd(cfg.num_kv_heads, cfg.intermediate_size)   # the sizes that fit divide g
+    if n < 1 or g % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the model's {cfg.num_heads} "
                          f"query heads, {cfg.num_kv_heads} KV heads and MLP size "
                          f"{cfg.intermediate_size}: this model runs on "
-                         f"{', '.join(map(str, sizes))}")
+                         f"{', '.join(str(k) for k in range(1, g + 1) if g % k == 0)}")
     if dist.is_initialized() and dist.get_rank() > 0:
         return None
     if dist.is_initialized():
@@ -2726,10 +2716,11 @@ def start_up(workers):
     if workers is not None:
         workers.started = True
 
-def stop_workers(workers):
-    """TensorParallelWorkers.close, where there are workers (LLM.close)."""
+def stop_workers(workers, why: str = ""):
+    """TensorParallelWorkers.close, where there are workers (LLM.close). A later step raises
+    `why`, by default that the engine is closed (send)."""
     if workers is not None:
-        workers.why_closed = TensorParallelWorkers.CLOSED
+        workers.why_closed = why or workers.CLOSED
         workers.close()
 
 def stop_out_of_step(workers, error: BaseException):
@@ -2739,19 +2730,18 @@ def stop_out_of_step(workers, error: BaseException):
     wait in a collective for gloo's 30 minutes. Behind a server, the engine core process then
     ends (exit_on_failed_step)."""
     if workers is not None and not workers.closed.is_set():
-        workers.why_closed = (f"this tensor-parallel engine stopped at a step that failed "
+        stop_workers(workers, f"this tensor-parallel engine stopped at a step that failed "
                               f"({error!r}): its ranks were out of step. Start a new one")
-        workers.close()
 
 def exit_on_worker_death(workers):
-    """Where rank 0 is a process of its own behind a server (the engine core):
-    a worker's death ends it, as its own would (TensorParallelWorkers)."""
+    """Where rank 0 is a process of its own behind a server (the engine core): a worker's death
+    ends it, as its own would (TensorParallelWorkers)."""
     if workers is not None:
         workers.exit_on_death = True
 
 def exit_on_failed_step(workers):
-    """In the engine core process, after a step that raised on rank 0: the workers have
-    stopped (stop_out_of_step), so no step can run. The process ends as at a worker's death."""
+    """In the engine core process, after a step that raised on rank 0: the workers have stopped
+    (stop_out_of_step), so no step can run. The process ends as at a worker's death."""
     if workers is not None:
         sys.exit(1)
 
@@ -2774,20 +2764,19 @@ def _init_group(device, rank, size, port, store=None):
 class TensorParallelWorkers:
     """Rank 0's end of the other ranks: a pipe to each (send), a watchdog on their lives, close.
 
-    Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe
-    from rank 0 reads EOF: rank 0 gone, however it went (closed, killed), so no
-    worker outlives it. A worker that dies is seen at once by the watchdog thread,
-    which waits on the processes' sentinels. Rank 0 then exits too (exit_on_death)
-    in the engine core process (exit_on_worker_death), whose server then
-    fails the requests as for any engine-core death; on the GPU, where a collective
-    waiting for a dead rank never returns; and during start-up, which may be waiting
-    for the dead rank to join the group. Else (LLM on the CPU) the step in flight
-    raises instead (gloo reports the peer gone), and so does every later send.
+    Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe from rank 0
+    reads EOF: rank 0 gone, however it went (closed, killed), so no worker outlives it. A worker
+    that dies is seen at once by the watchdog thread, which waits on the processes' sentinels.
+    Rank 0 then exits too (exit_on_death) in three cases. In the engine core process
+    (exit_on_worker_death), whose server then fails the requests as for any engine-core death.
+    On the GPU, where a collective waiting for a dead rank never returns. And during start-up,
+    which may be waiting for the dead rank to join the group. Else (LLM on the CPU) the step in
+    flight raises instead (gloo reports the peer gone), and so does every later send.
 
-    close (_close_workers) runs once: at LLM.close, when the workers are collected
-    with their LLM, when start-up fails (start_up), and at exit, before
-    multiprocessing waits for its children. Neither it nor the watchdog holds self,
-    so an LLM dropped without close is still collected, and closed."""
+    close (_close_workers) runs once: at LLM.close, when the workers are collected with their
+    LLM, when start-up fails (start_up), and at exit, before multiprocessing waits for its
+    children. Neither it nor the watchdog holds self, so an LLM dropped without close is still
+    collected, and closed."""
 
     CLOSED = "this tensor-parallel engine is closed (LLM.close())"
 
@@ -2828,19 +2817,18 @@ class TensorParallelWorkers:
         _init_group(cfg.device, 0, n, self.store.port, self.store)
 
     def send(self, plan):
-        if self.closed.is_set():
-            raise RuntimeError(self.why_closed)
-        if self.error:
-            raise RuntimeError(self.error)
+        why = self.why_closed if self.closed.is_set() else self.error   # "": all ranks are well
+        if why:
+            raise RuntimeError(why)
         for pipe in self.pipes:
             pipe.send(plan)
 
 def _close_workers(pipes, procs, closed):
-    """Each worker reads EOF and exits; one still inside a step that rank 0 left (a
-    failed step, Ctrl-C) waits in a collective for good, so it is killed after 1 s.
-    Then a gloo group goes, so another engine may start. An NCCL group stays: destroying
-    it is a collective that waits for every rank, and with the workers gone it would never
-    return. So on GPUs the next engine needs a new process (start_workers)."""
+    """Each worker reads EOF and exits. One still inside a step that rank 0 left (a failed step,
+    Ctrl-C) waits in a collective for good, so it is killed after 1 s. Then a gloo group goes,
+    so another engine may start. An NCCL group stays: destroying it is a collective that waits
+    for every rank, and with the workers gone it would never return. So on GPUs the next
+    engine needs a new process (start_workers)."""
     closed.set()                       # for the watchdog: from now on a death is no fault
     for pipe in pipes:
         pipe.close()
@@ -2877,16 +2865,15 @@ def _follow_steps(runner, pipe):
             except EOFError:              # rank 0 is gone, however it went
                 return
             inputs = runner.put_step(*plan)   # (input_ids, positions, meta)
-            graph = runner.graphs.get(plan[1])    # the graph of the size rank 0 replays
-            if graph is not None:
-                graph[0].replay()
+            if plan[1] in runner.graphs:          # the graph of the size rank 0 replays
+                runner.graphs[plan[1]][0].replay()
             else:
                 runner.model(*inputs)
 
 def _worker_main(make_runner, cfg, rank, port, pipe):
-    """A worker process: its signals, its GPU, its place in the group, then rank 0's
-    start-up and steps; once the pipe closes (rank 0 is gone), out at once: no
-    teardown waits on a dead peer."""
+    """A worker process: its signals, its GPU, its place in the group, then rank 0's start-up
+    and steps. Once the pipe closes (rank 0 is gone), it is out at once: no teardown waits on a
+    dead peer."""
     follow_parent()                # what stops rank 0 (the server, Ctrl-C) stops us by EOF
     if _backend(cfg.device) == "nccl":
         cfg.device = f"cuda:{rank}"
