@@ -2052,8 +2052,7 @@ def main(argv=None):
 # A decode step reads every weight for one token per row. At a small batch it can check several
 # tokens for about the same cost. With num_speculative_tokens = k, a decoding row guesses up to k
 # next tokens, its drafts, and one step checks them all. Four parts:
-# - draft: what followed the last few tokens where they occurred before (prompt lookup,
-#   NgramIndex);
+# - draft: prompt lookup, what followed the last few tokens where they occurred (NgramIndex);
 # - verify: the row's newest token and its drafts run as one causal chunk, and every row of the
 #   chunk samples (ModelRunner._flatten);
 # - accept: the drafts up to the first that differs from the token sampled at its place are
@@ -2222,11 +2221,10 @@ class Speculation:
 
 def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: list,
                            prev: Optional[LaunchedStep]):
-    """Move back, on the device, each row laid out as if prev kept all its drafts (the chapter's
-    opening). Say prev ran [the, mat, ., The] for a row and sampled [mat, ., It, cat]: it keeps
-    2 drafts of 3. The row's next input is "It", the sample at prev's row 2, not "cat" at row
-    3. Its positions, slots and context length move back by 1. pa.follow_accepted reads prev's
-    tokens on the device: no host round trip."""
+    """Move back, on the device, each row laid out as if prev kept all its drafts (the opening's
+    places). In the opening's example the row's next input is "It", sampled at prev's row 2, not
+    "cat" at row 3, and it moves back by 1. pa.follow_accepted reads prev's tokens on the
+    device: no host round trip."""
     drafted = prev.batch.draft_token_ids if prev is not None else {}
     moved = [(row, seq) for row, seq in pending if seq in drafted]
     if not moved:
@@ -2307,12 +2305,12 @@ def tool_call_format(cfg: Config, template: str) -> str:
     """How the model writes a call for tool_choice "auto": the flag's format, else Mistral's if the
     chat template writes [TOOL_CALLS], else Llama's if it writes <|python_tag|> or "parameters"
     and no <tool_call>, else Hermes's (also what _tools_as_text asks for)."""
-    llama = "<tool_call>" not in template and ("<|python_tag|>" in template
-                                               or '"parameters"' in template)
-    flag = cfg.tool_call_parser
-    if flag == "auto" and "[TOOL_CALLS]" in template:
+    if cfg.tool_call_parser != "auto":
+        return cfg.tool_call_parser
+    if "[TOOL_CALLS]" in template:
         return "mistral"
-    return flag if flag != "auto" else "llama3" if llama else "hermes"
+    llama = "<|python_tag|>" in template or '"parameters"' in template
+    return "llama3" if llama and "<tool_call>" not in template else "hermes"
 
 MAX_SCHEMA_DEPTH = 128    # JSON nesting that llguidance reads (serde_json's limit)
 # How prepare_schema reads a keyword's value: a map of names to schemas, or branches that
@@ -2406,8 +2404,7 @@ def compile_grammar(front: FrontEnd, source: str, lark: bool = False) -> str:
     grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
         llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare_schema(
             json.loads(source))), overrides={"whitespace_flexible": False})
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
+    if error := _grammar_error(grammar):
         raise ValueError(f"the schema cannot be compiled: {error}")
     return grammar
 
@@ -2486,14 +2483,13 @@ class _ToolCallShape(_ChatShape):
 class GrammarMasks:
     """The host half: each request's matcher, its masks filled on every core but one (the step
     loop keeps its own; 16 at most), the sampled tokens followed. Copies of one matcher share
-    its lexer, so their masks fill one at a time (on a 16-core H100 host, 214 us per row over
-    15 threads against 29 for matchers built apart), so requests are dealt round families, one
-    per fill thread: request n's matcher copies its grammar's matcher built for family
-    n % num_threads (a grammar is built once per family, on first use).
-    One pinned bitmask buffer, sized for a full step, is reused every step: the engine reads a
-    step back (a sync past its bitmask copy) before it fills the next one. The buffer (16 MB at
-    1,024 seats and a 128k vocabulary) and the pool's threads are made when a grammar first
-    comes, so an engine that serves none pays for neither."""
+    its lexer, so their masks would fill one at a time. So requests are dealt round families,
+    one per fill thread: request n's matcher copies its grammar's matcher built for family
+    n % num_threads (built once per family, on first use). One pinned bitmask buffer, sized for
+    a full step, is reused every step: the engine reads a step back (a sync past its bitmask
+    copy) before it fills the next one. The buffer (16 MB at 1,024 seats and a 128k vocabulary)
+    and the threads are made when a grammar first comes: an engine that serves none pays for
+    neither."""
 
     def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
         import llguidance.numpy                       # only where grammars are served
@@ -2520,8 +2516,7 @@ class GrammarMasks:
         return self.built(grammar, family).deep_copy()
 
     def start_fill(self, seqs, device):
-        """For ModelRunner.sample: a Future of pa.apply_token_mask's rows and bitmasks (what
-        their matchers allow next), or None if no row has a grammar (one check per row)."""
+        """For ModelRunner.sample: fill_async for the rows with a grammar; None if there is none."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         return self.fill_async([seqs[row].matcher.result() for row in rows], rows, device) \
             if rows else None
@@ -2536,9 +2531,7 @@ class GrammarMasks:
             llguidance.numpy.fill_next_token_bitmask_par(
                 self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
             bitmask = bitmask.to(device, non_blocking=True)
-            rows_host = torch.tensor(rows, dtype=torch.int64)
-            return rows_host.pin_memory().to(device, non_blocking=True) if bitmask.is_cuda \
-                else rows_host, bitmask
+            return pa.to_device(bitmask.device, rows, torch.int64), bitmask
         return self.thread.submit(fill_and_copy)
 
     def follow(self, seqs, tokens):
@@ -2564,11 +2557,10 @@ def mask_logits(logits, raw, batch: SamplingBatch):           # (B, V) fp32
 def check_grammar(grammar):
     """A grammar llguidance cannot read is a ValueError before its request is queued. Its matcher
     would otherwise end the request at once with no text, or fail the whole step. The server's
-    come from compile_grammar, checked already, and each is read once (a cache)."""
+    come from compile_grammar, checked there already through the same cache."""
     if grammar is not None and not isinstance(grammar, str):
         raise ValueError("grammar must be a string, llguidance's (FrontEnd.grammar makes one)")
-    error = grammar is not None and _grammar_error(grammar)
-    if error:
+    if error := grammar is not None and _grammar_error(grammar):
         raise ValueError(f"grammar is not valid: {error.strip()}")
 
 _grammar_error = functools.lru_cache(maxsize=256)(llguidance.LLMatcher.validate_grammar)
@@ -2673,10 +2665,10 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # Start-up (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every
 # rank.
 # Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
-# all_reduce), ModelRunner.__init__ (start_workers, start_up),
-# allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0),
-# EngineCore.fail_running (stop_out_of_step), LLM.close (stop_workers), run_engine_core
-# (exit_on_worker_death, exit_on_failed_step).
+# all_reduce), ModelRunner.__init__ (start_workers, start_up), allocate_kv_cache
+# (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0), EngineCore.fail_running
+# (stop_out_of_step), LLM.close (stop_workers), run_engine_core (exit_on_worker_death,
+# exit_on_failed_step).
 
 def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process that
@@ -2704,10 +2696,9 @@ def start_workers(cfg, make_runner):
 
 @contextlib.contextmanager
 def start_up(workers):
-    """Around rank 0's start-up after start_workers, which every rank runs by itself, alike. If it
-    raises (a bad setting that every rank meets alike, Ctrl-C), the workers are stopped before the
-    error goes on, so that a caller who catches it keeps a clean process. Once it is done, rank 0
-    sends its steps (send_step)."""
+    """Around rank 0's start-up, which every rank runs alike. If it raises (a bad setting that
+    every rank meets, Ctrl-C), the workers stop before the error goes on: a caller who catches it
+    keeps a clean process. Once it is done, rank 0 sends its steps (send_step)."""
     try:
         yield
     except BaseException:
@@ -2785,9 +2776,8 @@ class TensorParallelWorkers:
         if backend == "nccl" and torch.cuda.device_count() < n:
             raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, "
                              f"found {torch.cuda.device_count()}")
-        # the engine core process is a daemon (it ends with its server), and
-        # multiprocessing lets no daemon start a process: its workers end with it by
-        # their pipes' EOF instead, so the flag can go.
+        # The engine core process is a daemon (it ends with its server), and multiprocessing lets
+        # no daemon start a process. Its workers end with it by their pipes' EOF, so the flag goes.
         multiprocessing.current_process().daemon = False
         # The group's rendezvous, on a free port. Held here, it outlives a start-up broken off
         # (Ctrl-C), so that the workers it leaves waiting there go quietly, by close.
@@ -2809,9 +2799,8 @@ class TensorParallelWorkers:
                 reader.close()         # the worker's end, closed here: a dead worker's pipe breaks
                 self.pipes.append(writer)
                 self.procs.append(proc)
-        sentinels = [p.sentinel for p in self.procs]
-        threading.Thread(target=_watch, args=(weakref.ref(self), sentinels, self.closed),
-                         name="nanoserve-tp-watchdog", daemon=True).start()
+        threading.Thread(target=_watch, name="nanoserve-tp-watchdog", daemon=True, args=(
+            weakref.ref(self), [p.sentinel for p in self.procs], self.closed)).start()
         while self.store.add("joined", 0) < n - 1:    # a wait in Python, which Ctrl-C can stop
             time.sleep(0.05)
         _init_group(cfg.device, 0, n, self.store.port, self.store)
@@ -2987,8 +2976,7 @@ def _call_with_object(call) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 def _rule(ok, why: str):
-    """A 400 saying why unless ok(value, fields). A field the API defines but nanoserve does not
-    implement is refused unless it asks for nothing new: a client never gets other than it asked."""
+    """A 400 saying why unless ok(value, fields)."""
     def rule(v, f):
         if not ok(v, f):
             raise ValueError(why)
@@ -3049,9 +3037,8 @@ _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a 
                dict: "an object", list: "an array"}
 
 def parse_fields(body: dict, spec: dict, path: str = "") -> dict:
-    """The body's fields, checked against spec (a JSON null is absent). An unknown field is refused,
-    never ignored: it might have changed the output. A nested object is checked against its own
-    spec, and a 400 names the path (stream_options.include_usage, tools[0].function.name)."""
+    """The body's fields, checked against spec (a JSON null is absent; an unknown field is a 400).
+    A nested object is checked against its own spec; a 400 names the path (tools[0].type)."""
     fields = {}
     for name, value in body.items():
         if name not in spec:
@@ -3082,14 +3069,12 @@ def _check(value, kind, path: str):
         return [_check(item, kind[0], f"{path}[{i}]") for i, item in enumerate(value)]
     if kind is int and not -2**63 <= value < 2**64:
         raise APIError(400, f"'{path}' is out of the 64-bit range", param=path)
-    if kind is float:                 # 1e400 parses to inf; float(10**400) would overflow
-        value = float(value) if abs(value) <= sys.float_info.max else math.inf
-        if not math.isfinite(value):
-            raise APIError(400, f"'{path}' must be a finite number", param=path)
-    return value
+    if kind is float and not abs(value) <= sys.float_info.max:   # 1e400 parsed to inf, 10**400
+        raise APIError(400, f"'{path}' must be a finite number", param=path)
+    return float(value) if kind is float else value
 
 # -- the body, the API key, the routes beyond completions, and errors --
-def _reject_constant(name: str):
+def _reject_constant(name: str):       # NaN and Infinity: Python's extension, not JSON
     raise ValueError(f"{name} is not a JSON value")
 
 async def read_body(server: OpenAIServer, request: Request) -> dict:
@@ -3104,7 +3089,6 @@ async def read_body(server: OpenAIServer, request: Request) -> dict:
     except ClientDisconnect:              # the client left mid-body: nobody to answer
         raise APIError(499, "the client closed the connection")
     try:
-        # parse_constant: NaN and Infinity are Python's extension, not JSON
         body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep
         raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
