@@ -2140,15 +2140,13 @@ class Speculation:
         self.follows_on_device = cfg.device != "cpu" and cfg.tensor_parallel_size == 1
         self.num_draft_tokens = self.num_accepted_tokens = 0
 
-    speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens
-                          and len(self.scheduler.running) <= self.SPECULATE_MAX_ROWS)
-
     def add_drafts(self, batch: ScheduledBatch, budget: int):
         """Give the decoding rows of a scheduled batch their drafts, from what every row left of the
         budget and the free blocks: a draft never preempts a row or keeps one from running."""
-        sched = self.scheduler
-        for i, seq in enumerate(batch.seqs if self.speculates else []):
-            drafts = self.draft(seq, min(budget, self.cfg.num_speculative_tokens))
+        sched, k = self.scheduler, self.cfg.num_speculative_tokens
+        speculates = 0 < k and len(sched.running) <= self.SPECULATE_MAX_ROWS
+        for i, seq in enumerate(batch.seqs if speculates else []):
+            drafts = self.draft(seq, min(budget, k))
             while drafts and sched._num_blocks_needed(seq, 1 + len(drafts)) > \
                     sched.allocator.num_free_blocks:
                 drafts.pop()                    # their blocks must be free already
@@ -2674,8 +2672,7 @@ def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process that
     builds make_runner(cfg) (ModelRunner) and follows rank 0's steps (_follow_steps), and join
     them in one process group. Returns their TensorParallelWorkers; None at size 1, or on a
-    worker (in the group already). One engine per process uses the group: another is refused
-    while it is open (on GPUs, for good: _close_workers)."""
+    worker (in the group already). One engine per process uses the group (_close_workers)."""
     n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
     g = math.gcd(cfg.num_kv_heads, cfg.intermediate_size)   # the sizes that fit divide g
     if n < 1 or g % n:
