@@ -2041,8 +2041,7 @@ def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
 # A decode step reads every weight for one token per row. At a small batch it can check several
 # tokens for about the same cost. With num_speculative_tokens = k, a decoding row guesses up to k
 # next tokens, its drafts, and one step checks them all. Four parts:
-# - draft: what followed the last few tokens where they occurred before (prompt lookup,
-#   NgramIndex);
+# - draft: prompt lookup, what followed the last few tokens where they occurred (NgramIndex);
 # - verify: the row's newest token and its drafts run as one causal chunk, and every row of the
 #   chunk samples (ModelRunner._flatten);
 # - accept: the drafts up to the first that differs from the token sampled at its place are
@@ -2125,27 +2124,18 @@ class Speculation:
         self.cfg, self.scheduler = cfg, scheduler
         self.in_flight = {}       # the drafts of the step scheduled last, by sequence (on the
                                   # device while the next step is scheduled)
-        # Whether rows follow a drafting step on the device (the opening), or that step is read
-        # back first. Not on the CPU, where the forward pass is the host's and nothing runs
-        # ahead to hide; nor across tensor-parallel ranks, which lay out their own inputs.
+        # Whether rows follow a drafting step on the device, or it is read back first (the
+        # opening's last paragraph; tensor-parallel ranks lay out their own inputs, so not there)
         self.follows_on_device = cfg.device != "cpu" and cfg.tensor_parallel_size == 1
         self.num_draft_tokens = self.num_accepted_tokens = 0
 
-    speculates = property(lambda self: 0 < self.cfg.num_speculative_tokens
-                          and len(self.scheduler.running) <= self.SPECULATE_MAX_ROWS)
-
-    @staticmethod
-    def can_draft(seq: Sequence) -> bool:
-        """Rows with a grammar or a penalty never draft (the chapter's opening says why)."""
-        return seq.matcher is None and not seq.params.needs_output_history
-
     def add_drafts(self, batch: ScheduledBatch, budget: int):
-        """Give the decoding rows of a scheduled batch their drafts. This runs once every row has
-        its own tokens, so drafts take only the budget and the free blocks left. A draft never
-        preempts a row or keeps one from running (Config's promise)."""
-        sched = self.scheduler
-        for i, seq in enumerate(batch.seqs if self.speculates else []):
-            drafts = self.draft(seq, min(budget, self.cfg.num_speculative_tokens))
+        """Give the decoding rows of a scheduled batch their drafts, from what every row left of the
+        budget and the free blocks: a draft never preempts a row or keeps one from running."""
+        sched, k = self.scheduler, self.cfg.num_speculative_tokens
+        speculates = 0 < k and len(sched.running) <= self.SPECULATE_MAX_ROWS
+        for i, seq in enumerate(batch.seqs if speculates else []):
+            drafts = self.draft(seq, min(budget, k))
             while drafts and sched._num_blocks_needed(seq, 1 + len(drafts)) > \
                     sched.allocator.num_free_blocks:
                 drafts.pop()                    # their blocks must be free already
@@ -2160,8 +2150,9 @@ class Speculation:
         """Up to k drafts for seq, if it decodes. Accepting them all stays within the length
         limits, counting its pending tokens as if the step before keeps every draft."""
         num_tokens = seq.num_tokens + seq.num_pending_tokens
-        if not self.can_draft(seq) or seq.num_computed_tokens != num_tokens - 1:
-            return []                                        # a prefill chunk
+        if seq.num_computed_tokens != num_tokens - 1 or seq.matcher is not None \
+                or seq.params.needs_output_history:
+            return []      # a prefill chunk, or a row with a grammar or a penalty (the opening)
         k = min(k, self.cfg.max_model_len - num_tokens - 1,
                 seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens) - 1)
         seq.ngrams.extend(seq.token_ids)
@@ -2217,19 +2208,16 @@ class Speculation:
 
 def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: list,
                            prev: Optional[LaunchedStep]):
-    """Move back, on the device, each row laid out as if prev kept all its drafts (the chapter's
-    opening). Say prev ran [the, mat, ., The] for a row and sampled [mat, ., It, cat]: it keeps
-    2 drafts of 3. The row's next input is "It", the sample at prev's row 2, not "cat" at row
-    3. Its positions, slots and context length move back by 1. pa.follow_accepted reads prev's
-    tokens on the device: no host round trip."""
+    """Move back, on the device, each row laid out as if prev kept all its drafts (the opening's
+    places). In the opening's example the row's next input is "It", sampled at prev's row 2, not
+    "cat" at row 3, and it moves back by 1. pa.follow_accepted reads prev's tokens on the
+    device: no host round trip."""
     drafted = prev.batch.draft_token_ids if prev is not None else {}
     moved = [(row, seq) for row, seq in pending if seq in drafted]
     if not moved:
         return
-    first_row, index = {}, {seq: i for i, seq in enumerate(batch.seqs)}
-    for i, seq in enumerate(prev.seqs):               # a sequence's sampled rows are adjacent
-        first_row.setdefault(seq, i)
-    plan = [(first_row[seq], len(drafted[seq]), row,
+    index = {seq: i for i, seq in enumerate(batch.seqs)}
+    plan = [(prev.seqs.index(seq), len(drafted[seq]), row,    # seq's first sampled row in prev
              1 + len(batch.draft_token_ids.get(seq, [])), index[seq]) for row, seq in moved]
     drafts = [drafted[seq] + [-1] * (16 - len(drafted[seq])) for _, seq in moved]
     b, dev = runner.buffers, runner.device
@@ -2304,12 +2292,12 @@ def tool_call_format(cfg: Config, template: str) -> str:
     """How the model writes a call for tool_choice "auto": the flag's format, else Mistral's if the
     chat template writes [TOOL_CALLS], else Llama's if it writes <|python_tag|> or "parameters"
     and no <tool_call>, else Hermes's (also what _tools_as_text asks for)."""
-    llama = "<tool_call>" not in template and ("<|python_tag|>" in template
-                                               or '"parameters"' in template)
-    flag = cfg.tool_call_parser
-    if flag == "auto" and "[TOOL_CALLS]" in template:
+    if cfg.tool_call_parser != "auto":
+        return cfg.tool_call_parser
+    if "[TOOL_CALLS]" in template:
         return "mistral"
-    return flag if flag != "auto" else "llama3" if llama else "hermes"
+    llama = "<|python_tag|>" in template or '"parameters"' in template
+    return "llama3" if llama and "<tool_call>" not in template else "hermes"
 
 MAX_SCHEMA_DEPTH = 128    # JSON nesting that llguidance reads (serde_json's limit)
 # How prepare_schema reads a keyword's value: a map of names to schemas, or branches that
@@ -2403,8 +2391,7 @@ def compile_grammar(front: FrontEnd, source: str, lark: bool = False) -> str:
     grammar = llguidance.LLMatcher.grammar_from_lark(source) if lark else \
         llguidance.LLMatcher.grammar_from_json_schema(json.dumps(prepare_schema(
             json.loads(source))), overrides={"whitespace_flexible": False})
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
+    if error := _grammar_error(grammar):
         raise ValueError(f"the schema cannot be compiled: {error}")
     return grammar
 
@@ -2483,14 +2470,13 @@ class _ToolCallShape(_ChatShape):
 class GrammarMasks:
     """The host half: each request's matcher, its masks filled on every core but one (the step
     loop keeps its own; 16 at most), the sampled tokens followed. Copies of one matcher share
-    its lexer, so their masks fill one at a time (on a 16-core H100 host, 214 us per row over
-    15 threads against 29 for matchers built apart), so requests are dealt round families, one
-    per fill thread: request n's matcher copies its grammar's matcher built for family
-    n % num_threads (a grammar is built once per family, on first use).
-    One pinned bitmask buffer, sized for a full step, is reused every step: the engine reads a
-    step back (a sync past its bitmask copy) before it fills the next one. The buffer (16 MB at
-    1,024 seats and a 128k vocabulary) and the pool's threads are made when a grammar first
-    comes, so an engine that serves none pays for neither."""
+    its lexer, so their masks would fill one at a time. So requests are dealt round families,
+    one per fill thread: request n's matcher copies its grammar's matcher built for family
+    n % num_threads (built once per family, on first use). One pinned bitmask buffer, sized for
+    a full step, is reused every step: the engine reads a step back (a sync past its bitmask
+    copy) before it fills the next one. The buffer (16 MB at 1,024 seats and a 128k vocabulary)
+    and the threads are made when a grammar first comes: an engine that serves none pays for
+    neither."""
 
     def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
         import llguidance.numpy                       # only where grammars are served
@@ -2517,8 +2503,7 @@ class GrammarMasks:
         return self.built(grammar, family).deep_copy()
 
     def start_fill(self, seqs, device):
-        """For ModelRunner.sample: a Future of pa.apply_token_mask's rows and bitmasks (what
-        their matchers allow next), or None if no row has a grammar (one check per row)."""
+        """For ModelRunner.sample: fill_async for the rows with a grammar; None if there is none."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         return self.fill_async([seqs[row].matcher.result() for row in rows], rows, device) \
             if rows else None
@@ -2533,9 +2518,7 @@ class GrammarMasks:
             llguidance.numpy.fill_next_token_bitmask_par(
                 self.executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
             bitmask = bitmask.to(device, non_blocking=True)
-            rows_host = torch.tensor(rows, dtype=torch.int64)
-            return rows_host.pin_memory().to(device, non_blocking=True) if bitmask.is_cuda \
-                else rows_host, bitmask
+            return pa.to_device(bitmask.device, rows, torch.int64), bitmask
         return self.thread.submit(fill_and_copy)
 
     def follow(self, seqs, tokens):
@@ -2561,11 +2544,10 @@ def mask_logits(logits, raw, batch: SamplingBatch):           # (B, V) fp32
 def check_grammar(grammar):
     """A grammar llguidance cannot read is a ValueError before its request is queued. Its matcher
     would otherwise end the request at once with no text, or fail the whole step. The server's
-    come from compile_grammar, checked already, and each is read once (a cache)."""
+    come from compile_grammar, checked there already through the same cache."""
     if grammar is not None and not isinstance(grammar, str):
         raise ValueError("grammar must be a string, llguidance's (FrontEnd.grammar makes one)")
-    error = grammar is not None and _grammar_error(grammar)
-    if error:
+    if error := grammar is not None and _grammar_error(grammar):
         raise ValueError(f"grammar is not valid: {error.strip()}")
 
 _grammar_error = functools.lru_cache(maxsize=256)(llguidance.LLMatcher.validate_grammar)
@@ -2670,26 +2652,23 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # Start-up (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every
 # rank.
 # Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
-# all_reduce), ModelRunner.__init__ (start_workers, start_up),
-# allocate_kv_cache (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0),
-# EngineCore.fail_running (stop_out_of_step), LLM.close (stop_workers), run_engine_core
-# (exit_on_worker_death, exit_on_failed_step).
+# all_reduce), ModelRunner.__init__ (start_workers, start_up), allocate_kv_cache
+# (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0), EngineCore.fail_running
+# (stop_out_of_step), LLM.close (stop_workers), run_engine_core (exit_on_worker_death,
+# exit_on_failed_step).
 
 def start_workers(cfg, make_runner):
-    """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process
-    that builds make_runner(cfg) (ModelRunner) and follows rank 0's steps
-    (_follow_steps), and join them in one process group. Returns their
-    TensorParallelWorkers; None at size 1, or on a worker (in the group already).
-    One engine per process uses the group: another is refused while it is open (on GPUs,
-    for good: _close_workers)."""
+    """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process that
+    builds make_runner(cfg) (ModelRunner) and follows rank 0's steps (_follow_steps), and join
+    them in one process group. Returns their TensorParallelWorkers; None at size 1, or on a
+    worker (in the group already). One engine per process uses the group (_close_workers)."""
     n = cfg.tensor_parallel_size     # n_heads is a multiple of n_kv, so divides too
-    if n < 1 or cfg.num_kv_heads % n or cfg.intermediate_size % n:
-        sizes = [k for k in range(1, cfg.num_kv_heads + 1)
-                 if cfg.num_kv_heads % k == 0 and cfg.intermediate_size % k == 0]
+    g = math.gcd(cfg.num_kv_heads, cfg.intermediate_size)   # the sizes that fit divide g
+    if n < 1 or g % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the model's {cfg.num_heads} "
                          f"query heads, {cfg.num_kv_heads} KV heads and MLP size "
                          f"{cfg.intermediate_size}: this model runs on "
-                         f"{', '.join(map(str, sizes))}")
+                         f"{', '.join(str(k) for k in range(1, g + 1) if g % k == 0)}")
     if dist.is_initialized() and dist.get_rank() > 0:
         return None
     if dist.is_initialized():
@@ -2703,10 +2682,9 @@ def start_workers(cfg, make_runner):
 
 @contextlib.contextmanager
 def start_up(workers):
-    """Around rank 0's start-up after start_workers, which every rank runs by itself, alike. If it
-    raises (a bad setting that every rank meets alike, Ctrl-C), the workers are stopped before the
-    error goes on, so that a caller who catches it keeps a clean process. Once it is done, rank 0
-    sends its steps (send_step)."""
+    """Around rank 0's start-up, which every rank runs alike. If it raises (a bad setting that
+    every rank meets, Ctrl-C), the workers stop before the error goes on: a caller who catches it
+    keeps a clean process. Once it is done, rank 0 sends its steps (send_step)."""
     try:
         yield
     except BaseException:
@@ -2715,10 +2693,11 @@ def start_up(workers):
     if workers is not None:
         workers.started = True
 
-def stop_workers(workers):
-    """TensorParallelWorkers.close, where there are workers (LLM.close)."""
+def stop_workers(workers, why: str = ""):
+    """TensorParallelWorkers.close, where there are workers (LLM.close). A later step raises
+    `why`, by default that the engine is closed (send)."""
     if workers is not None:
-        workers.why_closed = TensorParallelWorkers.CLOSED
+        workers.why_closed = why or workers.CLOSED
         workers.close()
 
 def stop_out_of_step(workers, error: BaseException):
@@ -2728,19 +2707,18 @@ def stop_out_of_step(workers, error: BaseException):
     wait in a collective for gloo's 30 minutes. Behind a server, the engine core process then
     ends (exit_on_failed_step)."""
     if workers is not None and not workers.closed.is_set():
-        workers.why_closed = (f"this tensor-parallel engine stopped at a step that failed "
+        stop_workers(workers, f"this tensor-parallel engine stopped at a step that failed "
                               f"({error!r}): its ranks were out of step. Start a new one")
-        workers.close()
 
 def exit_on_worker_death(workers):
-    """Where rank 0 is a process of its own behind a server (the engine core):
-    a worker's death ends it, as its own would (TensorParallelWorkers)."""
+    """Where rank 0 is a process of its own behind a server (the engine core): a worker's death
+    ends it, as its own would (TensorParallelWorkers)."""
     if workers is not None:
         workers.exit_on_death = True
 
 def exit_on_failed_step(workers):
-    """In the engine core process, after a step that raised on rank 0: the workers have
-    stopped (stop_out_of_step), so no step can run. The process ends as at a worker's death."""
+    """In the engine core process, after a step that raised on rank 0: the workers have stopped
+    (stop_out_of_step), so no step can run. The process ends as at a worker's death."""
     if workers is not None:
         sys.exit(1)
 
@@ -2763,20 +2741,19 @@ def _init_group(device, rank, size, port, store=None):
 class TensorParallelWorkers:
     """Rank 0's end of the other ranks: a pipe to each (send), a watchdog on their lives, close.
 
-    Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe
-    from rank 0 reads EOF: rank 0 gone, however it went (closed, killed), so no
-    worker outlives it. A worker that dies is seen at once by the watchdog thread,
-    which waits on the processes' sentinels. Rank 0 then exits too (exit_on_death)
-    in the engine core process (exit_on_worker_death), whose server then
-    fails the requests as for any engine-core death; on the GPU, where a collective
-    waiting for a dead rank never returns; and during start-up, which may be waiting
-    for the dead rank to join the group. Else (LLM on the CPU) the step in flight
-    raises instead (gloo reports the peer gone), and so does every later send.
+    Each worker is a spawned process (CUDA cannot be forked) that ends when its pipe from rank 0
+    reads EOF: rank 0 gone, however it went (closed, killed), so no worker outlives it. A worker
+    that dies is seen at once by the watchdog thread, which waits on the processes' sentinels.
+    Rank 0 then exits too (exit_on_death) in three cases. In the engine core process
+    (exit_on_worker_death), whose server then fails the requests as for any engine-core death.
+    On the GPU, where a collective waiting for a dead rank never returns. And during start-up,
+    which may be waiting for the dead rank to join the group. Else (LLM on the CPU) the step in
+    flight raises instead (gloo reports the peer gone), and so does every later send.
 
-    close (_close_workers) runs once: at LLM.close, when the workers are collected
-    with their LLM, when start-up fails (start_up), and at exit, before
-    multiprocessing waits for its children. Neither it nor the watchdog holds self,
-    so an LLM dropped without close is still collected, and closed."""
+    close (_close_workers) runs once: at LLM.close, when the workers are collected with their
+    LLM, when start-up fails (start_up), and at exit, before multiprocessing waits for its
+    children. Neither it nor the watchdog holds self, so an LLM dropped without close is still
+    collected, and closed."""
 
     CLOSED = "this tensor-parallel engine is closed (LLM.close())"
 
@@ -2785,9 +2762,8 @@ class TensorParallelWorkers:
         if backend == "nccl" and torch.cuda.device_count() < n:
             raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs, "
                              f"found {torch.cuda.device_count()}")
-        # the engine core process is a daemon (it ends with its server), and
-        # multiprocessing lets no daemon start a process: its workers end with it by
-        # their pipes' EOF instead, so the flag can go.
+        # The engine core process is a daemon (it ends with its server), and multiprocessing lets
+        # no daemon start a process. Its workers end with it by their pipes' EOF, so the flag goes.
         multiprocessing.current_process().daemon = False
         # The group's rendezvous, on a free port. Held here, it outlives a start-up broken off
         # (Ctrl-C), so that the workers it leaves waiting there go quietly, by close.
@@ -2809,27 +2785,25 @@ class TensorParallelWorkers:
                 reader.close()         # the worker's end, closed here: a dead worker's pipe breaks
                 self.pipes.append(writer)
                 self.procs.append(proc)
-        sentinels = [p.sentinel for p in self.procs]
-        threading.Thread(target=_watch, args=(weakref.ref(self), sentinels, self.closed),
-                         name="nanoserve-tp-watchdog", daemon=True).start()
+        threading.Thread(target=_watch, name="nanoserve-tp-watchdog", daemon=True, args=(
+            weakref.ref(self), [p.sentinel for p in self.procs], self.closed)).start()
         while self.store.add("joined", 0) < n - 1:    # a wait in Python, which Ctrl-C can stop
             time.sleep(0.05)
         _init_group(cfg.device, 0, n, self.store.port, self.store)
 
     def send(self, plan):
-        if self.closed.is_set():
-            raise RuntimeError(self.why_closed)
-        if self.error:
-            raise RuntimeError(self.error)
+        why = self.why_closed if self.closed.is_set() else self.error   # "": all ranks are well
+        if why:
+            raise RuntimeError(why)
         for pipe in self.pipes:
             pipe.send(plan)
 
 def _close_workers(pipes, procs, closed):
-    """Each worker reads EOF and exits; one still inside a step that rank 0 left (a
-    failed step, Ctrl-C) waits in a collective for good, so it is killed after 1 s.
-    Then a gloo group goes, so another engine may start. An NCCL group stays: destroying
-    it is a collective that waits for every rank, and with the workers gone it would never
-    return. So on GPUs the next engine needs a new process (start_workers)."""
+    """Each worker reads EOF and exits. One still inside a step that rank 0 left (a failed step,
+    Ctrl-C) waits in a collective for good, so it is killed after 1 s. Then a gloo group goes,
+    so another engine may start. An NCCL group stays: destroying it is a collective that waits
+    for every rank, and with the workers gone it would never return. So on GPUs the next
+    engine needs a new process (start_workers)."""
     closed.set()                       # for the watchdog: from now on a death is no fault
     for pipe in pipes:
         pipe.close()
@@ -2866,16 +2840,15 @@ def _follow_steps(runner, pipe):
             except EOFError:              # rank 0 is gone, however it went
                 return
             inputs = runner.put_step(*plan)   # (input_ids, positions, meta)
-            graph = runner.graphs.get(plan[1])    # the graph of the size rank 0 replays
-            if graph is not None:
-                graph[0].replay()
+            if plan[1] in runner.graphs:          # the graph of the size rank 0 replays
+                runner.graphs[plan[1]][0].replay()
             else:
                 runner.model(*inputs)
 
 def _worker_main(make_runner, cfg, rank, port, pipe):
-    """A worker process: its signals, its GPU, its place in the group, then rank 0's
-    start-up and steps; once the pipe closes (rank 0 is gone), out at once: no
-    teardown waits on a dead peer."""
+    """A worker process: its signals, its GPU, its place in the group, then rank 0's start-up
+    and steps. Once the pipe closes (rank 0 is gone), it is out at once: no teardown waits on a
+    dead peer."""
     follow_parent()                # what stops rank 0 (the server, Ctrl-C) stops us by EOF
     if _backend(cfg.device) == "nccl":
         cfg.device = f"cuda:{rank}"
@@ -2989,8 +2962,7 @@ def _call_with_object(call) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 def _rule(ok, why: str):
-    """A 400 saying why unless ok(value, fields). A field the API defines but nanoserve does not
-    implement is refused unless it asks for nothing new: a client never gets other than it asked."""
+    """A 400 saying why unless ok(value, fields)."""
     def rule(v, f):
         if not ok(v, f):
             raise ValueError(why)
@@ -3051,9 +3023,8 @@ _JSON_TYPES = {int: "an integer", float: "a number", bool: "a boolean", str: "a 
                dict: "an object", list: "an array"}
 
 def parse_fields(body: dict, spec: dict, path: str = "") -> dict:
-    """The body's fields, checked against spec (a JSON null is absent). An unknown field is refused,
-    never ignored: it might have changed the output. A nested object is checked against its own
-    spec, and a 400 names the path (stream_options.include_usage, tools[0].function.name)."""
+    """The body's fields, checked against spec (a JSON null is absent; an unknown field is a 400).
+    A nested object is checked against its own spec; a 400 names the path (tools[0].type)."""
     fields = {}
     for name, value in body.items():
         if name not in spec:
@@ -3084,14 +3055,12 @@ def _check(value, kind, path: str):
         return [_check(item, kind[0], f"{path}[{i}]") for i, item in enumerate(value)]
     if kind is int and not -2**63 <= value < 2**64:
         raise APIError(400, f"'{path}' is out of the 64-bit range", param=path)
-    if kind is float:                 # 1e400 parses to inf; float(10**400) would overflow
-        value = float(value) if abs(value) <= sys.float_info.max else math.inf
-        if not math.isfinite(value):
-            raise APIError(400, f"'{path}' must be a finite number", param=path)
-    return value
+    if kind is float and not abs(value) <= sys.float_info.max:   # 1e400 parsed to inf, 10**400
+        raise APIError(400, f"'{path}' must be a finite number", param=path)
+    return float(value) if kind is float else value
 
 # -- the body, the API key, the routes beyond completions, and errors --
-def _reject_constant(name: str):
+def _reject_constant(name: str):       # NaN and Infinity: Python's extension, not JSON
     raise ValueError(f"{name} is not a JSON value")
 
 async def read_body(server: OpenAIServer, request: Request) -> dict:
@@ -3106,7 +3075,6 @@ async def read_body(server: OpenAIServer, request: Request) -> dict:
     except ClientDisconnect:              # the client left mid-body: nobody to answer
         raise APIError(499, "the client closed the connection")
     try:
-        # parse_constant: NaN and Infinity are Python's extension, not JSON
         body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep
         raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
