@@ -1025,7 +1025,7 @@ class EngineCoreOutput:
 class EngineCoreOutputs:
     """What one turn of the engine core's loop sends back: a step's outputs, or none."""
     outputs: list                     # EngineCoreOutput: one per token kept, one per failure
-    stats: dict                       # EngineCore.stats() after the step (for /metrics)
+    stats: dict                       # engine_stats after the step (for /metrics)
 
 class EngineCore:
     def __init__(self, cfg: Config):
@@ -1144,20 +1144,6 @@ class EngineCore:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
-
-    def stats(self) -> dict:
-        """The engine's gauges, and counters (the _total ones), by their /metrics names less the
-        nanoserve_ prefix."""
-        a, s = self.allocator, self.scheduler
-        return dict(requests_running=len(s.running), requests_waiting=len(s.waiting),
-                    kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,
-                    kv_blocks_cached=len(a.evictable),        # free, but their prefix kept
-                    generated_tokens_total=self.num_generated_tokens,
-                    prompt_tokens_total=s.num_prompt_tokens,  # admitted, and of those cached
-                    prefix_cache_hit_tokens_total=s.num_cached_tokens,
-                    prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
-                    preemptions_total=s.num_preemptions,
-                    **s.speculation.stats())                  # chapter: speculative decoding
 
 # ---------------------------------------------------------------------------
 # Requests in, text out
@@ -1426,7 +1412,7 @@ class LLM:
         return states
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return engine_stats(self.engine)       # chapter: the rest of the OpenAI API
 
     def close(self):
         """Free what the engine holds outside this process: nothing, unless a chapter's workers
@@ -1462,8 +1448,9 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         return
     # The outputs go out through one worker thread, in order: the step loop never waits on the
     # server (with both pipes full, the two processes would wait on each other).
+    # (engine_stats, here and below: chapter: the rest of the OpenAI API)
     sender = ThreadPoolExecutor(max_workers=1)
-    sender.submit(outbox.send, EngineCoreOutputs([], core.stats()))   # ready, safe with no server
+    sender.submit(outbox.send, EngineCoreOutputs([], engine_stats(core)))   # ready; no server: safe
     while True:
         try:   # block only when idle; while sequences run, take what has arrived
             messages = [] if core.has_unfinished() else [inbox.recv()]
@@ -1489,7 +1476,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
                 traceback.print_exc()
                 outputs += fail_running(core, e)            # chapter: faults
                 exit_on_failed_step(core.runner.workers)      # chapter: tensor parallelism
-        sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats()))  # gone: EOF above
+        sender.submit(outbox.send, EngineCoreOutputs(outputs, engine_stats(core))) # gone: EOF above
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 class EngineCoreClient:
@@ -1964,7 +1951,7 @@ def main(argv=None):
 # BlockAllocator: a named block that no one uses stays findable until the pool needs it.
 # Seams: Sequence (block_hashes, num_named_blocks), Scheduler.schedule (reuse_cached_prefix and
 # count_prefix_hits, when a sequence is admitted), EngineCore._commit and _append_token
-# (name_computed_blocks), and the Scheduler's counts for EngineCore.stats.
+# (name_computed_blocks), and the Scheduler's counts for engine_stats.
 
 def prefix_hash(parent: Optional[int], token_ids) -> int:
     """Name a full block by its tokens and, through the parent's hash (None for the first block),
@@ -2080,7 +2067,7 @@ def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
 # guessed), ScheduledBatch.draft_token_ids, Scheduler.__init__ and schedule (add_drafts),
 # ModelRunner._flatten (the drafts follow a row's newest token, and each row samples), prepare
 # (follow_accepted_drafts), EngineCore.step (reads_back_first: on the CPU, or with tensor
-# parallelism), EngineCore._commit (accept), EngineCore.stats.
+# parallelism), EngineCore._commit (accept), engine_stats.
 
 class NgramIndex:
     """A sequence's drafts (this chapter's opening tells the mechanism).
@@ -3172,9 +3159,23 @@ def chat_logprobs(shape: _ChatShape, d: Delta) -> Optional[dict]:
                         for text, logprob, top in token_logprobs(shape, d.token_ids, d.logprobs)]}
 
 # -- /metrics --
+def engine_stats(core: EngineCore) -> dict:
+    """The engine's gauges, and counters (the _total ones), by their /metrics names less the
+    nanoserve_ prefix."""
+    a, s = core.allocator, core.scheduler
+    return dict(requests_running=len(s.running), requests_waiting=len(s.waiting),
+                kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,
+                kv_blocks_cached=len(a.evictable),        # free, but their prefix kept
+                generated_tokens_total=core.num_generated_tokens,
+                prompt_tokens_total=s.num_prompt_tokens,  # admitted, and of those cached
+                prefix_cache_hit_tokens_total=s.num_cached_tokens,
+                prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
+                preemptions_total=s.num_preemptions,
+                **s.speculation.stats())                  # chapter: speculative decoding
+
 class ServerMetrics:
     """Prometheus' view: latency histograms observed in the server process, and the engine core's
-    gauges and counters from its latest stats (EngineCore.stats), read at each scrape."""
+    gauges and counters from its latest stats (engine_stats), read at each scrape."""
     def __init__(self, client: EngineCoreClient):
         self.client = client
         self.registry = prometheus_client.CollectorRegistry()
