@@ -20,14 +20,13 @@ Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
 It reads in two parts. Part one, config to CLI, is the engine every request goes through, top to
-bottom; README.md's reading path times each stop. A request enters at the HTTP handler (or
-LLM.generate), is tokenized by the FrontEnd, and crosses a pipe to the engine core process. There
-it becomes a Sequence, is scheduled step by step into a flat batch, runs through Model.forward and
-is sampled; its token ids cross back for the FrontEnd to turn into text. Then come the chapters,
-one per feature a request may or may not use (speculative decoding, structured output and tool
-calls, log-probs and logit edits, tensor parallelism, fp8 weights, the rest of the OpenAI API,
-signals). Each enters part one through seams: single lines labelled "# chapter: NAME", which do
-nothing while the feature is off.
+bottom (README.md's reading path times each stop). A request enters at the HTTP handler or
+LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Sequence, is
+scheduled step by step into a flat batch, runs through Model.forward and is sampled. Its token
+ids go back to the FrontEnd, which turns them into text. Then come the chapters, one per feature
+a request may or may not use (speculative decoding, structured output and tool calls, log-probs
+and logit edits, tensor parallelism, fp8 weights, the rest of the OpenAI API, signals). Each
+enters part one through seams, lines labelled "# chapter: NAME" that do nothing while it is off.
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-
 # its tokens. The seats are the sequences that may run at once. A CUDA graph replays a step.
 
 def _flag(default, help: str, flag: Optional[str] = None):
-    """A Config or SamplingParams field that is also a CLI flag: the CLI section makes
-    `--field-name` (or `flag`) from its name, type, default and help."""
+    """A field that is also a CLI flag, `--field-name` or `flag` (the CLI section makes it)."""
     return field(default=default, metadata={"help": help, "flag": flag})
 
 @dataclass
@@ -169,7 +167,7 @@ class Config:
             raise ValueError(f"rope type {rope_type!r} is not supported (default or llama3)")
         self.rope_scaling = rope if rope_type == "llama3" else None
         self.tie_word_embeddings = c.get("tie_word_embeddings", False)
-        self.qkv_bias, self.qk_norm = family == "qwen2", family == "qwen3"   # Qwen2, Qwen3
+        self.qkv_bias, self.qk_norm = family == "qwen2", family == "qwen3"
         limit = c.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.max_model_len or limit, limit)
         # Mistral: a query sees only the last sliding_window keys. Qwen2 and Qwen3 turn that off.
@@ -764,8 +762,7 @@ class Scheduler:
 # pass, recorded once (capture) and replayed in one launch, where 200 launches from Python would
 # leave the GPU idle. A replay reads and writes the addresses it recorded. So each step copies
 # its inputs into static buffers (self.buffers), and every graph's activations share one memory
-# pool. A step pads its batch to the next captured size (_pad says why that is harmless). Each
-# size runs once before its capture, so that Triton compiles outside the recording.
+# pool. A step pads its batch to the next captured size (_pad says why that is harmless).
 
 @dataclass
 class StepInputs:
@@ -774,9 +771,8 @@ class StepInputs:
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
     num_tokens: int                   # the real tokens; rows past them are padding
-    sample_rows: list                 # the rows sampled: a sequence's last, once no prompt is left
-    sample_seqs: list                 # and the index of each one's sequence in the batch
-    sample_positions: list            # and the position of the token each one draws (seeds)
+    samples: list                     # (row, seq) of each row that samples (_flatten says which)
+    sample_positions: list            # the position of the token each one draws (seeds)
     graph: Optional[tuple]            # (CUDAGraph, its output) to replay; None: run eagerly
 
 @dataclass
@@ -804,7 +800,6 @@ class ModelRunner:
                 pa.set_cpu_threads(cfg.num_threads)
             self.model = build_model(cfg)
             self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-            # Each step's inputs, sized for the largest: a graph reads the addresses it captured
             S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
             self.buffers = dict(
                 input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
@@ -828,9 +823,8 @@ class ModelRunner:
         cfg, n_kv = self.cfg, self.model.layers[0].attn.n_kv       # n_kv: this rank's
         kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, n_kv,
                          cfg.head_dim, dtype=cfg.torch_dtype, device=self.device)
-        for i, layer in enumerate(self.model.layers):
-            # each (num_blocks, block_size, n_kv, hd)
-            layer.attn.k_cache, layer.attn.v_cache = kv[0, i], kv[1, i]
+        for layer, k, v in zip(self.model.layers, *kv):   # each (num_blocks, block_size, n_kv, hd)
+            layer.attn.k_cache, layer.attn.v_cache = k, v
 
     def allocate_kv_cache(self) -> int:
         cfg = self.cfg
@@ -888,16 +882,15 @@ class ModelRunner:
         would too). 41 tokens with a prompt among them replay the 48-token graph: _pad adds seven
         -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41. The host's block_tables keep
         their width of 5; the kernels see the graph's full width (_pad's contract)."""
-        flat, sample_rows, sample_seqs, pending = self._flatten(batch)
+        flat, samples, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: run eagerly
         N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
         self._put_input_ids(batch, input_ids, pending, prev)
-        draws = [flat["positions"][row] + 1 for row in sample_rows]   # a row draws the next token
+        draws = [flat["positions"][row] + 1 for row, _ in samples]   # a row draws the next token
         inputs = self.put_step(flat, key, N, S, width, batch.is_decode)
         follow_accepted_drafts(self, batch, pending, prev)   # chapter: speculative decoding
-        return StepInputs(*inputs, num_tokens, sample_rows, sample_seqs, draws,
-                          self.graphs.get(key))
+        return StepInputs(*inputs, num_tokens, samples, draws, self.graphs.get(key))
 
     def put_step(self, flat: dict, key, N: int, S: int, width: int, is_decode: bool) -> tuple:
         """The padded lists into the buffers: the model's inputs."""
@@ -916,9 +909,9 @@ class ModelRunner:
         chapter "speculative decoding"). And the rows whose input is a pending token."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
-        sample_rows, sample_seqs, pending, tables = [], [], [], []   # pending: (row, seq)
+        samples, pending, tables = [], [], []   # samples and pending: (row, seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             drafts = batch.draft_token_ids.get(seq, [])    # chapter: speculative decoding
             d = len(drafts)                                 # (0 when off)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -935,10 +928,9 @@ class ModelRunner:
             flat["context_lens"].append(end)
             flat["cu_seqlens_q"].append(last_row + 1)
             if end - d >= seq.num_tokens:   # its last input is its newest token: it samples
-                sample_rows += range(last_row - d, last_row + 1)
-                sample_seqs += [i] * (d + 1)
+                samples += [(row, seq) for row in range(last_row - d, last_row + 1)]
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
-        return flat, sample_rows, sample_seqs, pending
+        return flat, samples, pending
 
     def _pad(self, flat: dict, key: Optional[tuple], num_tokens: int, num_seqs: int) -> tuple:
         """Pad to the graph's N rows and S sequences; return them and the table width the kernels
@@ -1004,18 +996,16 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # (N_tok, D)
         hidden = hidden[:inputs.num_tokens]                    # the padding rows dropped
         compute_prompt_logprobs(self, batch, hidden)      # chapter: log-probs and logit edits
-        seqs = [batch.seqs[i] for i in inputs.sample_seqs]   # those that sample this step
-        if not seqs:                            # only unfinished prefill chunks this step
+        if not inputs.samples:                  # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None)
-        if len(seqs) < hidden.shape[0]:         # skip the rows of prefill tokens
-            rows = pa.to_device(self.device, inputs.sample_rows, torch.int64)
-            hidden = hidden.index_select(0, rows)
+        rows, seqs = zip(*inputs.samples)
+        if len(rows) < hidden.shape[0]:         # skip the rows of prefill tokens
+            hidden = hidden.index_select(0, pa.to_device(self.device, rows, torch.int64))
         logits = self.model.compute_logits(hidden)                           # (B, V)
-        return LaunchedStep(batch, seqs, logits, inputs.sample_positions)
+        return LaunchedStep(batch, list(seqs), logits, inputs.sample_positions)
 
     def sample(self, step: LaunchedStep):
-        """Sample a launched step's rows, and start copying their tokens back (EngineCore.step
-        says why now)."""
+        """Sample a step's rows and start their tokens' copy back (EngineCore.step says why now)."""
         # chapter: structured output (None when no row has a grammar: sample now)
         step.masks = self.grammar_masks.start_fill(step.seqs, self.device)
         if step.masks is None:
@@ -1033,28 +1023,24 @@ class ModelRunner:
             step.copied = torch.cuda.Event()
             step.copied.record()                           # on the stream, after the copies
 
-    # -- CUDA graphs: a decode step replays the graph of the next batch size up (decode attention),
-    # a step with prompt tokens that of the next token count up (prefill attention) --
+    # -- CUDA graphs: a decode step's size is its batch size, a prompt step's its token count --
     @torch.no_grad()
     def capture_cuda_graphs(self):
-        S = self.cfg.max_num_seqs
-        self.graph_sizes = pa.cuda_graph_sizes(S, self.cfg.max_num_batched_tokens)
+        self.graph_sizes = pa.cuda_graph_sizes(self.cfg.max_num_seqs,
+                                               self.cfg.max_num_batched_tokens)
         keys = sorted(((kind, n) for kind in (True, False) for n in self.graph_sizes[kind]),
                       key=lambda key: -key[1])   # largest first: the others reuse its memory
-        b, pool = self.buffers, None           # one memory pool, shared by every graph
-        for name in ("slot_mapping", "context_lens", "cu_seqlens_q"):   # no step in them: the
-            b[name].fill_(-1 if name == "slot_mapping" else 0)   # captures write and read nothing
-        for is_decode, n in keys:
-            s = n if is_decode else min(n, S)        # sequences: one per token, at most S
-            meta = AttentionMetadata(b["slot_mapping"][:n], b["block_tables"][:s],
-                                     b["context_lens"][:s], b["cu_seqlens_q"][:s + 1], is_decode)
-            args = (b["input_ids"][:n], b["positions"][:n], meta)
+        pool = None                            # one memory pool, shared by every graph
+        for key in keys:
+            # A step of no tokens, all padding (_pad): the captures write and read nothing.
+            flat = dict(slot_mapping=[], context_lens=[], cu_seqlens_q=[0])
+            args = self.put_step(flat, key, *self._pad(flat, key, 0, 0), key[0])
             self.model(*args)                   # warm-up: compiles this size's kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.model(*args)
             pool = graph.pool()
-            self.graphs[is_decode, n] = (graph, hidden)
+            self.graphs[key] = (graph, hidden)
             _progress(f"captured CUDA graphs {len(self.graphs)}/{len(keys)}")
         _progress(f"captured {len(keys)} CUDA graphs", end=True)
         torch.cuda.empty_cache()               # the warm-ups' memory: graphs use their pool
@@ -1389,12 +1375,12 @@ class FrontEnd:
         """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
         string ended, for the engine core to abort. Tokens computed past the stop are dropped: one
         in-process, a few more behind the server, where tokens and abort cross a pipe each."""
-        now, changed = time.perf_counter(), {}   # request id -> (state, its tokens before)
+        now, changed = time.perf_counter(), {}   # request id -> (state, its tokens, its chars)
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:                  # ended here already (stop string, abort)
                 continue
-            changed.setdefault(out.request_id, (state, len(state.token_ids)))
+            changed.setdefault(out.request_id, (state, len(state.token_ids), len(state.text)))
             state.first_token_time = state.first_token_time or now
             state.num_cached_tokens = out.num_cached_tokens
             state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
@@ -1402,13 +1388,12 @@ class FrontEnd:
             if out.token_id is not None:
                 state.token_ids.append(out.token_id)
                 state.logprobs += [out.logprobs] if out.logprobs else []
-        states = [state for state, _ in changed.values()]
-        num_old_chars = [len(s.text) for s in states]      # stop strings: only new text can match
+        states = [state for state, *_ in changed.values()]
         self._detokenize([s for s in states if s.incremental and not s.error])
         stopped = []
-        for (state, num_old_tokens), num_old in zip(changed.values(), num_old_chars):
+        for state, num_tokens, num_chars in changed.values():   # as they were before this call
             # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
-            if not state.error and self._truncate_at_stop_string(state, num_old, num_old_tokens):
+            if not state.error and self._truncate_at_stop_string(state, num_chars, num_tokens):
                 if state.finish_reason is None:        # the engine core still runs it
                     stopped.append(state.request_id)
                 state.finish_reason = "stop"
