@@ -280,8 +280,7 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     """Rotation frequency of each channel pair, with llama3 scaling if configured."""
     hd = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    s = cfg.rope_scaling
-    if s is None:
+    if (s := cfg.rope_scaling) is None:
         return inv_freq.float()                                # (hd/2,)
     # Llama 3 stretches long wavelengths by `factor`, keeps short ones, blends smoothly in between,
     # so a model trained on original_max_position_embeddings tokens extrapolates to longer contexts.
@@ -443,8 +442,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # OpenAI's, in [-2, 2]: minus this if generated before,
     frequency_penalty: float = 0.0    # and minus this times the count so far
     repetition_penalty: float = 1.0   # transformers': a seen token's logit / this (x this if < 0)
-    grammar: Optional[str] = None     # llguidance grammar the output must match (chapter:
-                                      # structured output)
+    grammar: Optional[str] = None  # llguidance grammar of the output (chapter: structured output)
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -1226,10 +1224,9 @@ class EngineCore:
 
 # ---------------------------------------------------------------------------
 # Requests in, text out
-# The front end holds everything per request that the engine core never needs: chat templates
-# (first), tokenizing, checks against the engine's limits, and token ids back to text
-# (incremental detokenization, stop strings). It runs in the caller's process, the server's or
-# LLM.generate's.
+# The front end holds everything per request that the engine core never needs: chat templates,
+# tokenizing, checks against the engine's limits, and token ids back to text (incremental
+# detokenization, stop strings). It runs in the caller's process, the server's or LLM.generate's.
 
 # -- chat templates --
 def _raise_template_error(message: str):
@@ -1264,11 +1261,9 @@ class ChatTemplate:
 def load_tokenizer(model_dir: str):
     """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
     from tokenizers import Tokenizer
-    path = Path(model_dir)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json")) \
-        if (path / "tokenizer.json").is_file() else None
-    conf = path / "tokenizer_config.json"
-    return tok, (json.loads(conf.read_text()) if conf.is_file() else {})
+    tok, conf = Path(model_dir, "tokenizer.json"), Path(model_dir, "tokenizer_config.json")
+    return (Tokenizer.from_file(str(tok)) if tok.is_file() else None,
+            json.loads(conf.read_text()) if conf.is_file() else {})
 
 @dataclass
 class Delta:
@@ -1493,8 +1488,7 @@ class LLM:
         return self.engine.stats()
 
     def close(self):
-        """Free what the engine holds outside this process: nothing, unless a chapter's workers
-        run (tensor parallelism)."""
+        """Stop the engine's workers, where a chapter runs some (tensor parallelism)."""
         stop_workers(self.engine.runner.workers)            # chapter: tensor parallelism
 
 # ---------------------------------------------------------------------------
@@ -1670,12 +1664,11 @@ class EngineCoreClient:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. It
-# reads in the order a request takes. The request's handler (OpenAIServer.completions or .chat)
-# reads the body's fields and tokenizes in a thread. _respond hands EngineCoreClient.generate's
-# states to the endpoint's response shape (_Shape). The shape's chunks go out as SSE events
-# (_EventStream runs _Shape.stream, and turns a client that leaves into an abort), or fold into
-# one body (_Shape.body).
+# An OpenAI-compatible HTTP API on Starlette, in the server process, read in the order a request
+# takes. Its handler (OpenAIServer.completions or .chat) reads the body's fields and tokenizes in a
+# thread. _respond hands EngineCoreClient.generate's states to the endpoint's response shape
+# (_Shape). The shape's chunks go out as SSE events (_EventStream runs _Shape.stream, and turns a
+# client that leaves into an abort), or fold into one body (_Shape.body).
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1979,15 +1972,14 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
             continue
         name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         if f.type == "bool":            # a flag that is on by default turns it off
-            action = "store_false" if f.default else "store_true"
-            parser.add_argument(name, dest=f.name, action=action,
-                                help=("do not " if f.default else "") + f.metadata["help"])
+            kw = dict(action="store_false" if f.default else "store_true",
+                      help=("do not " if f.default else "") + f.metadata["help"])
         elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
-            parser.add_argument(name, dest=f.name, action="append", help=f.metadata["help"])
+            kw = dict(action="append", help=f.metadata["help"])
         else:                            # int, float or str, Optional or not
             kind = float if "float" in f.type else int if "int" in f.type else str
-            parser.add_argument(name, dest=f.name, type=kind, default=f.default,
-                                help=f.metadata["help"])
+            kw = dict(type=kind, default=f.default, help=f.metadata["help"])
+        parser.add_argument(name, dest=f.name, **kw)
 
 def from_flags(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
