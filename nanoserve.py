@@ -261,10 +261,9 @@ def load_weights(model: nn.Module, cfg: Config):
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
-# paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). Attention
-# and MLP take their block's norm and residual, because pa.linear applies a norm to a matmul's
-# input and adds a residual to its output. At batch 1 on the GPU it does both in the one kernel
-# that reads the weight.
+# paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). pa.linear
+# applies a norm to a matmul's input and adds a residual to its output, at batch 1 on the GPU in the
+# one kernel that reads the weight. So Attention and MLP take their block's norm and residual.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
