@@ -158,8 +158,7 @@ class Config:
         self.num_kv_heads = c.get("num_key_value_heads") or self.num_heads
         self.head_dim = c.get("head_dim") or self.hidden_size // self.num_heads
         self.rms_norm_eps = c.get("rms_norm_eps", 1e-5)
-        # transformers 5 writes "rope_parameters". Older configs (Llama-3.2's) write
-        # "rope_theta" and "rope_scaling".
+        # transformers 5 writes "rope_parameters", older configs "rope_theta" and "rope_scaling".
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         self.rope_theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -1872,8 +1871,7 @@ class _CompletionShape(_Shape):
                 "logprobs": logprobs, "finish_reason": d.finish_reason}
 
 class _ChatShape(_Shape):
-    """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
-    empty one with the finish_reason."""
+    """The chat shape: a stream sends a choice's role, then its deltas, then its finish_reason."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
     opening_content: Optional[str] = ""       # the content of the role's chunk
 
@@ -1916,9 +1914,8 @@ class _EventStream:
             listener.cancel()
 
 def _fold(whole: dict, chunk: dict):
-    """Fold a chunk into the whole, key by key. Strings and lists concatenate, and objects fold
-    alike. Tool-call deltas join their call, by index. Any other value replaces the old one, but
-    null never does."""
+    """Fold a chunk into the whole, key by key. Strings and lists concatenate, objects fold alike,
+    and tool-call deltas join their call by index. Other values replace the old, but null never."""
     for key, value in chunk.items():
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
