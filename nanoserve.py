@@ -20,14 +20,13 @@ Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
 It reads in two parts. Part one, config to CLI, is the engine every request goes through, top to
-bottom; README.md's reading path times each stop. A request enters at the HTTP handler (or
-LLM.generate), is tokenized by the FrontEnd, and crosses a pipe to the engine core process. There
-it becomes a Sequence, is scheduled step by step into a flat batch, runs through Model.forward and
-is sampled; its token ids cross back for the FrontEnd to turn into text. Then come the chapters,
-one per feature a request may or may not use (speculative decoding, structured output and tool
-calls, log-probs and logit edits, tensor parallelism, fp8 weights, the rest of the OpenAI API,
-signals). Each enters part one through seams: single lines labelled "# chapter: NAME", which do
-nothing while the feature is off.
+bottom (README.md's reading path times each stop). A request enters at the HTTP handler or
+LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Sequence, is
+scheduled step by step into a flat batch, runs through Model.forward and is sampled. Its token
+ids go back to the FrontEnd, which turns them into text. Then come the chapters, one per feature
+a request may or may not use (speculative decoding, structured output and tool calls, log-probs
+and logit edits, tensor parallelism, fp8 weights, the rest of the OpenAI API, signals). Each
+enters part one through seams, lines labelled "# chapter: NAME" that do nothing while it is off.
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-
 # its tokens. The seats are the sequences that may run at once. A CUDA graph replays a step.
 
 def _flag(default, help: str, flag: Optional[str] = None):
-    """A Config or SamplingParams field that is also a CLI flag: the CLI section makes
-    `--field-name` (or `flag`) from its name, type, default and help."""
+    """A field that is also a CLI flag, `--field-name` or `flag` (the CLI section makes it)."""
     return field(default=default, metadata={"help": help, "flag": flag})
 
 @dataclass
@@ -160,8 +158,7 @@ class Config:
         self.num_kv_heads = c.get("num_key_value_heads") or self.num_heads
         self.head_dim = c.get("head_dim") or self.hidden_size // self.num_heads
         self.rms_norm_eps = c.get("rms_norm_eps", 1e-5)
-        # transformers 5 writes "rope_parameters". Older configs (Llama-3.2's) write
-        # "rope_theta" and "rope_scaling".
+        # transformers 5 writes "rope_parameters", older configs "rope_theta" and "rope_scaling".
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         self.rope_theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -169,7 +166,7 @@ class Config:
             raise ValueError(f"rope type {rope_type!r} is not supported (default or llama3)")
         self.rope_scaling = rope if rope_type == "llama3" else None
         self.tie_word_embeddings = c.get("tie_word_embeddings", False)
-        self.qkv_bias, self.qk_norm = family == "qwen2", family == "qwen3"   # Qwen2, Qwen3
+        self.qkv_bias, self.qk_norm = family == "qwen2", family == "qwen3"
         limit = c.get("max_position_embeddings", 2048)
         self.max_model_len = min(self.max_model_len or limit, limit)
         # Mistral: a query sees only the last sliding_window keys. Qwen2 and Qwen3 turn that off.
@@ -263,10 +260,9 @@ def load_weights(model: nn.Module, cfg: Config):
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
-# paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). Attention
-# and MLP take their block's norm and residual, because pa.linear applies a norm to a matmul's
-# input and adds a residual to its output. At batch 1 on the GPU it does both in the one kernel
-# that reads the weight.
+# paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). pa.linear
+# applies a norm to a matmul's input and adds a residual to its output, at batch 1 on the GPU in the
+# one kernel that reads the weight. So Attention and MLP take their block's norm and residual.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -282,8 +278,7 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     """Rotation frequency of each channel pair, with llama3 scaling if configured."""
     hd = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    s = cfg.rope_scaling
-    if s is None:
+    if (s := cfg.rope_scaling) is None:
         return inv_freq.float()                                # (hd/2,)
     # Llama 3 stretches long wavelengths by `factor`, keeps short ones, blends smoothly in between,
     # so a model trained on original_max_position_embeddings tokens extrapolates to longer contexts.
@@ -445,8 +440,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # OpenAI's, in [-2, 2]: minus this if generated before,
     frequency_penalty: float = 0.0    # and minus this times the count so far
     repetition_penalty: float = 1.0   # transformers': a seen token's logit / this (x this if < 0)
-    grammar: Optional[str] = None     # llguidance grammar the output must match (chapter:
-                                      # structured output)
+    grammar: Optional[str] = None  # llguidance grammar of the output (chapter: structured output)
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -700,8 +694,7 @@ class Scheduler:
 # pass, recorded once (capture) and replayed in one launch, where 200 launches from Python would
 # leave the GPU idle. A replay reads and writes the addresses it recorded. So each step copies
 # its inputs into static buffers (self.buffers), and every graph's activations share one memory
-# pool. A step pads its batch to the next captured size (_pad says why that is harmless). Each
-# size runs once before its capture, so that Triton compiles outside the recording.
+# pool. A step pads its batch to the next captured size (_pad says why that is harmless).
 
 @dataclass
 class StepInputs:
@@ -710,9 +703,8 @@ class StepInputs:
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
     num_tokens: int                   # the real tokens; rows past them are padding
-    sample_rows: list                 # the rows sampled: a sequence's last, once no prompt is left
-    sample_seqs: list                 # and the index of each one's sequence in the batch
-    sample_positions: list            # and the position of the token each one draws (seeds)
+    samples: list                     # (row, seq) of each row that samples (_flatten says which)
+    sample_positions: list            # the position of the token each one draws (seeds)
     graph: Optional[tuple]            # (CUDAGraph, its output) to replay; None: run eagerly
 
 @dataclass
@@ -740,7 +732,6 @@ class ModelRunner:
                 pa.set_cpu_threads(cfg.num_threads)
             self.model = build_model(cfg)
             self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-            # Each step's inputs, sized for the largest: a graph reads the addresses it captured
             S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
             self.buffers = dict(
                 input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
@@ -764,9 +755,8 @@ class ModelRunner:
         cfg, n_kv = self.cfg, self.model.layers[0].attn.n_kv       # n_kv: this rank's
         kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, n_kv,
                          cfg.head_dim, dtype=cfg.torch_dtype, device=self.device)
-        for i, layer in enumerate(self.model.layers):
-            # each (num_blocks, block_size, n_kv, hd)
-            layer.attn.k_cache, layer.attn.v_cache = kv[0, i], kv[1, i]
+        for layer, k, v in zip(self.model.layers, *kv):   # each (num_blocks, block_size, n_kv, hd)
+            layer.attn.k_cache, layer.attn.v_cache = k, v
 
     def allocate_kv_cache(self) -> int:
         cfg = self.cfg
@@ -824,16 +814,15 @@ class ModelRunner:
         would too). 41 tokens with a prompt among them replay the 48-token graph: _pad adds seven
         -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41. The host's block_tables keep
         their width of 5; the kernels see the graph's full width (_pad's contract)."""
-        flat, sample_rows, sample_seqs, pending = self._flatten(batch)
+        flat, samples, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: run eagerly
         N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
         self._put_input_ids(batch, input_ids, pending, prev)
-        draws = [flat["positions"][row] + 1 for row in sample_rows]   # a row draws the next token
+        draws = [flat["positions"][row] + 1 for row, _ in samples]   # a row draws the next token
         inputs = self.put_step(flat, key, N, S, width, batch.is_decode)
         follow_accepted_drafts(self, batch, pending, prev)   # chapter: speculative decoding
-        return StepInputs(*inputs, num_tokens, sample_rows, sample_seqs, draws,
-                          self.graphs.get(key))
+        return StepInputs(*inputs, num_tokens, samples, draws, self.graphs.get(key))
 
     def put_step(self, flat: dict, key, N: int, S: int, width: int, is_decode: bool) -> tuple:
         """The padded lists into the buffers: the model's inputs."""
@@ -852,9 +841,9 @@ class ModelRunner:
         chapter "speculative decoding"). And the rows whose input is a pending token."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
-        sample_rows, sample_seqs, pending, tables = [], [], [], []   # pending: (row, seq)
+        samples, pending, tables = [], [], []   # samples and pending: (row, seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             drafts = batch.draft_token_ids.get(seq, [])    # chapter: speculative decoding
             d = len(drafts)                                 # (0 when off)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -871,10 +860,9 @@ class ModelRunner:
             flat["context_lens"].append(end)
             flat["cu_seqlens_q"].append(last_row + 1)
             if end - d >= seq.num_tokens:   # its last input is its newest token: it samples
-                sample_rows += range(last_row - d, last_row + 1)
-                sample_seqs += [i] * (d + 1)
+                samples += [(row, seq) for row in range(last_row - d, last_row + 1)]
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
-        return flat, sample_rows, sample_seqs, pending
+        return flat, samples, pending
 
     def _pad(self, flat: dict, key: Optional[tuple], num_tokens: int, num_seqs: int) -> tuple:
         """Pad to the graph's N rows and S sequences; return them and the table width the kernels
@@ -940,18 +928,16 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # (N_tok, D)
         hidden = hidden[:inputs.num_tokens]                    # the padding rows dropped
         compute_prompt_logprobs(self, batch, hidden)      # chapter: log-probs and logit edits
-        seqs = [batch.seqs[i] for i in inputs.sample_seqs]   # those that sample this step
-        if not seqs:                            # only unfinished prefill chunks this step
+        if not inputs.samples:                  # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None)
-        if len(seqs) < hidden.shape[0]:         # skip the rows of prefill tokens
-            rows = pa.to_device(self.device, inputs.sample_rows, torch.int64)
-            hidden = hidden.index_select(0, rows)
+        rows, seqs = zip(*inputs.samples)
+        if len(rows) < hidden.shape[0]:         # skip the rows of prefill tokens
+            hidden = hidden.index_select(0, pa.to_device(self.device, rows, torch.int64))
         logits = self.model.compute_logits(hidden)                           # (B, V)
-        return LaunchedStep(batch, seqs, logits, inputs.sample_positions)
+        return LaunchedStep(batch, list(seqs), logits, inputs.sample_positions)
 
     def sample(self, step: LaunchedStep):
-        """Sample a launched step's rows, and start copying their tokens back (EngineCore.step
-        says why now)."""
+        """Sample a step's rows and start their tokens' copy back (EngineCore.step says why now)."""
         # chapter: structured output (None when no row has a grammar: sample now)
         step.masks = self.grammar_masks.start_fill(step.seqs, self.device)
         if step.masks is None:
@@ -969,28 +955,24 @@ class ModelRunner:
             step.copied = torch.cuda.Event()
             step.copied.record()                           # on the stream, after the copies
 
-    # -- CUDA graphs: a decode step replays the graph of the next batch size up (decode attention),
-    # a step with prompt tokens that of the next token count up (prefill attention) --
+    # -- CUDA graphs: a decode step's size is its batch size, a prompt step's its token count --
     @torch.no_grad()
     def capture_cuda_graphs(self):
-        S = self.cfg.max_num_seqs
-        self.graph_sizes = pa.cuda_graph_sizes(S, self.cfg.max_num_batched_tokens)
+        self.graph_sizes = pa.cuda_graph_sizes(self.cfg.max_num_seqs,
+                                               self.cfg.max_num_batched_tokens)
         keys = sorted(((kind, n) for kind in (True, False) for n in self.graph_sizes[kind]),
                       key=lambda key: -key[1])   # largest first: the others reuse its memory
-        b, pool = self.buffers, None           # one memory pool, shared by every graph
-        for name in ("slot_mapping", "context_lens", "cu_seqlens_q"):   # no step in them: the
-            b[name].fill_(-1 if name == "slot_mapping" else 0)   # captures write and read nothing
-        for is_decode, n in keys:
-            s = n if is_decode else min(n, S)        # sequences: one per token, at most S
-            meta = AttentionMetadata(b["slot_mapping"][:n], b["block_tables"][:s],
-                                     b["context_lens"][:s], b["cu_seqlens_q"][:s + 1], is_decode)
-            args = (b["input_ids"][:n], b["positions"][:n], meta)
+        pool = None                            # one memory pool, shared by every graph
+        for key in keys:
+            # A step of no tokens, all padding (_pad): the captures write and read nothing.
+            flat = dict(slot_mapping=[], context_lens=[], cu_seqlens_q=[0])
+            args = self.put_step(flat, key, *self._pad(flat, key, 0, 0), key[0])
             self.model(*args)                   # warm-up: compiles this size's kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.model(*args)
             pool = graph.pool()
-            self.graphs[is_decode, n] = (graph, hidden)
+            self.graphs[key] = (graph, hidden)
             _progress(f"captured CUDA graphs {len(self.graphs)}/{len(keys)}")
         _progress(f"captured {len(keys)} CUDA graphs", end=True)
         torch.cuda.empty_cache()               # the warm-ups' memory: graphs use their pool
@@ -1147,10 +1129,9 @@ class EngineCore:
 
 # ---------------------------------------------------------------------------
 # Requests in, text out
-# The front end holds everything per request that the engine core never needs: chat templates
-# (first), tokenizing, checks against the engine's limits, and token ids back to text
-# (incremental detokenization, stop strings). It runs in the caller's process, the server's or
-# LLM.generate's.
+# The front end holds everything per request that the engine core never needs: chat templates,
+# tokenizing, checks against the engine's limits, and token ids back to text (incremental
+# detokenization, stop strings). It runs in the caller's process, the server's or LLM.generate's.
 
 # -- chat templates --
 def _raise_template_error(message: str):
@@ -1185,11 +1166,9 @@ class ChatTemplate:
 def load_tokenizer(model_dir: str):
     """tokenizer.json and tokenizer_config.json, or (None, {}) for a bare checkpoint."""
     from tokenizers import Tokenizer
-    path = Path(model_dir)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json")) \
-        if (path / "tokenizer.json").is_file() else None
-    conf = path / "tokenizer_config.json"
-    return tok, (json.loads(conf.read_text()) if conf.is_file() else {})
+    tok, conf = Path(model_dir, "tokenizer.json"), Path(model_dir, "tokenizer_config.json")
+    return (Tokenizer.from_file(str(tok)) if tok.is_file() else None,
+            json.loads(conf.read_text()) if conf.is_file() else {})
 
 @dataclass
 class Delta:
@@ -1296,12 +1275,12 @@ class FrontEnd:
         """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
         string ended, for the engine core to abort. Tokens computed past the stop are dropped: one
         in-process, a few more behind the server, where tokens and abort cross a pipe each."""
-        now, changed = time.perf_counter(), {}   # request id -> (state, its tokens before)
+        now, changed = time.perf_counter(), {}   # request id -> (state, its tokens, its chars)
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:                  # ended here already (stop string, abort)
                 continue
-            changed.setdefault(out.request_id, (state, len(state.token_ids)))
+            changed.setdefault(out.request_id, (state, len(state.token_ids), len(state.text)))
             state.first_token_time = state.first_token_time or now
             state.num_cached_tokens = out.num_cached_tokens
             state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
@@ -1309,13 +1288,12 @@ class FrontEnd:
             if out.token_id is not None:
                 state.token_ids.append(out.token_id)
                 state.logprobs += [out.logprobs] if out.logprobs else []
-        states = [state for state, _ in changed.values()]
-        num_old_chars = [len(s.text) for s in states]      # stop strings: only new text can match
+        states = [state for state, *_ in changed.values()]
         self._detokenize([s for s in states if s.incremental and not s.error])
         stopped = []
-        for (state, num_old_tokens), num_old in zip(changed.values(), num_old_chars):
+        for state, num_tokens, num_chars in changed.values():   # as they were before this call
             # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
-            if not state.error and self._truncate_at_stop_string(state, num_old, num_old_tokens):
+            if not state.error and self._truncate_at_stop_string(state, num_chars, num_tokens):
                 if state.finish_reason is None:        # the engine core still runs it
                     stopped.append(state.request_id)
                 state.finish_reason = "stop"
@@ -1415,8 +1393,7 @@ class LLM:
         return engine_stats(self.engine)       # chapter: the rest of the OpenAI API
 
     def close(self):
-        """Free what the engine holds outside this process: nothing, unless a chapter's workers
-        run (tensor parallelism)."""
+        """Stop the engine's workers, where a chapter runs some (tensor parallelism)."""
         stop_workers(self.engine.runner.workers)            # chapter: tensor parallelism
 
 # ---------------------------------------------------------------------------
@@ -1580,12 +1557,11 @@ class EngineCoreClient:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, one way to do each thing. It
-# reads in the order a request takes. The request's handler (OpenAIServer.completions or .chat)
-# reads the body's fields and tokenizes in a thread. _respond hands EngineCoreClient.generate's
-# states to the endpoint's response shape (_Shape). The shape's chunks go out as SSE events
-# (_EventStream runs _Shape.stream, and turns a client that leaves into an abort), or fold into
-# one body (_Shape.body).
+# An OpenAI-compatible HTTP API on Starlette, in the server process, read in the order a request
+# takes. Its handler (OpenAIServer.completions or .chat) reads the body's fields and tokenizes in a
+# thread. _respond hands EngineCoreClient.generate's states to the endpoint's response shape
+# (_Shape). The shape's chunks go out as SSE events (_EventStream runs _Shape.stream, and turns a
+# client that leaves into an abort), or fold into one body (_Shape.body).
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1790,8 +1766,7 @@ class _CompletionShape(_Shape):
                 "logprobs": logprobs, "finish_reason": d.finish_reason}
 
 class _ChatShape(_Shape):
-    """The chat shape: a stream opens each choice with the assistant's role, then deltas, then an
-    empty one with the finish_reason."""
+    """The chat shape: a stream sends a choice's role, then its deltas, then its finish_reason."""
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
     opening_content: Optional[str] = ""       # the content of the role's chunk
 
@@ -1834,9 +1809,8 @@ class _EventStream:
             listener.cancel()
 
 def _fold(whole: dict, chunk: dict):
-    """Fold a chunk into the whole, key by key. Strings and lists concatenate, and objects fold
-    alike. Tool-call deltas join their call, by index. Any other value replaces the old one, but
-    null never does."""
+    """Fold a chunk into the whole, key by key. Strings and lists concatenate, objects fold alike,
+    and tool-call deltas join their call by index. Other values replace the old, but null never."""
     for key, value in chunk.items():
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
@@ -1889,15 +1863,14 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
             continue
         name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         if f.type == "bool":            # a flag that is on by default turns it off
-            action = "store_false" if f.default else "store_true"
-            parser.add_argument(name, dest=f.name, action=action,
-                                help=("do not " if f.default else "") + f.metadata["help"])
+            kw = dict(action="store_false" if f.default else "store_true",
+                      help=("do not " if f.default else "") + f.metadata["help"])
         elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
-            parser.add_argument(name, dest=f.name, action="append", help=f.metadata["help"])
+            kw = dict(action="append", help=f.metadata["help"])
         else:                            # int, float or str, Optional or not
             kind = float if "float" in f.type else int if "int" in f.type else str
-            parser.add_argument(name, dest=f.name, type=kind, default=f.default,
-                                help=f.metadata["help"])
+            kw = dict(type=kind, default=f.default, help=f.metadata["help"])
+        parser.add_argument(name, dest=f.name, **kw)
 
 def from_flags(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
