@@ -1381,9 +1381,9 @@ class LLM:
         for ids, p in zip(prompt_ids, params):   # check all before queueing any
             self.front.validate(ids, p)
         states = [self.add(ids, p) for ids, p in zip(prompt_ids, params)]
-        start = time.perf_counter()
-        for _ in self.run():
-            rate = self.engine.num_generated_tokens / (time.perf_counter() - start)
+        start, num_before = time.perf_counter(), self.engine.num_generated_tokens
+        for _ in self.run():   # this call's rate: an LLM may have generated before
+            rate = (self.engine.num_generated_tokens - num_before) / (time.perf_counter() - start)
             if len(states) > 1:            # on a terminal only: one line, rewritten
                 _progress(f"generate: {sum(s.finish_reason is not None for s in states)}/"
                           f"{len(states)} done, {rate:.0f} tok/s")
