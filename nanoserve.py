@@ -24,9 +24,10 @@ bottom (README.md's reading path times each stop). A request enters at the HTTP 
 LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Sequence, is
 scheduled step by step into a flat batch, runs through Model.forward and is sampled. Its token
 ids go back to the FrontEnd, which turns them into text. Then come the chapters, one per feature
-a request may or may not use (speculative decoding, structured output and tool calls, log-probs
-and logit edits, tensor parallelism, fp8 weights, the rest of the OpenAI API, signals). Each
-enters part one through seams, lines labelled "# chapter: NAME" that do nothing while it is off.
+a request may or may not meet (prefix caching, the burst rule, speculative decoding, structured
+output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights, the rest of
+the OpenAI API, faults). Each enters part one through seams, lines labelled "# chapter: NAME"
+that do nothing while it is off.
 """
 
 from __future__ import annotations
@@ -2525,7 +2526,7 @@ def grammar_done(seq: Sequence) -> bool:
 # frequency and repetition penalties, which read the tokens so far. They apply as sparse edits at
 # (row, token) entries, never as a dense (B, V) bias (pa.apply_logit_edits).
 # Seams: SamplingParams' fields, check_sampling_params (check_logit_params), the sampler
-# (edit_logits, sampled_logprobs), Sequence.prompt_logprobs, Scheduler._reuse_cached_prefix (a
+# (edit_logits, sampled_logprobs), Sequence.prompt_logprobs, reuse_cached_prefix (a
 # request for prompt log-probs computes every prompt row), ModelRunner.sampling_batch
 # (logit_edits) and launch (compute_prompt_logprobs), EngineCore._append_token (add_logprobs).
 
@@ -2613,7 +2614,7 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # rank.
 # Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
 # all_reduce), ModelRunner.__init__ (start_workers, start_up), allocate_kv_cache
-# (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0), EngineCore.fail_running
+# (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0), fail_running
 # (stop_out_of_step), LLM.close (stop_workers), run_engine_core (exit_on_worker_death,
 # exit_on_failed_step).
 
