@@ -639,7 +639,8 @@ class Scheduler:
 
     def _runs_this_step(self, seq: Sequence, decodes_wait: bool) -> bool:
         """Whether a running sequence takes part in the step being built: not if preempted earlier
-        in this step's loop, nor if its pending token is its last, nor a decode held back."""
+        in this step's loop, nor if its pending token is its last, nor a decode held back at a
+        burst (decodes_wait: chapter: the burst rule; False when it does not apply)."""
         preempted = seq.status != "running"
         held_back = decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens
         return not (preempted or self._ends_when_read(seq) or held_back)
