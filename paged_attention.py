@@ -108,12 +108,9 @@ def _attend_ref(q, k, v, scale):
     T, L = q.shape[0], k.shape[0]
     q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # (heads, T or L, hd)
     # torch's is_causal puts the diagonal top-left, right only without a cached prefix.
-    is_causal = T == L
-    mask = None
-    if not is_causal and T > 1:
-        q_pos = torch.arange(L - T, L, device=q.device)  # (T,)
-        mask = torch.arange(L, device=q.device) <= q_pos[:, None]  # (T, L)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+    pos = torch.arange(L, device=q.device)
+    mask = pos <= pos[L - T:, None] if T < L else None  # (T, L)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                        scale=scale, enable_gqa=True)  # (n_heads, T, hd)
     return o.transpose(0, 1)  # (T, n_heads, hd)
 
@@ -262,9 +259,8 @@ def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, 
     """-inf, in place, for tokens a row's grammar forbids next (apply_token_mask_ref): one
     Triton launch on the GPU (the interpreter would be slow on the CPU: torch there).
     The host copies V / 8 bytes per constrained row, the bits stay packed."""
-    if logits.is_cuda:
-        return apply_token_mask_triton(logits, rows, bitmask)
-    return apply_token_mask_ref(logits, rows, bitmask)
+    apply = apply_token_mask_triton if logits.is_cuda else apply_token_mask_ref
+    return apply(logits, rows, bitmask)
 
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
@@ -664,9 +660,7 @@ def _decode_kernel(
     tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16, "tl.dot needs inner/outer dims >= 16")
     # kv heads vary fastest over the grid: programs that run side by side read
     # the same blocks (a token's n_kv heads are adjacent in the pool).
-    kv_head = tl.program_id(0)
-    b = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_head, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _wait_for_inputs(PDL)  # q comes from the kernel before
     L = tl.load(context_lens_ptr + b)
     # -- this split's run of tiles; 1 active split for an empty (padding) row --
@@ -861,8 +855,7 @@ def _prefill_kernel(
     """
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16, "tl.dot needs inner/outer dims >= 16")
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    pid, kv_head = tl.program_id(0), tl.program_id(1)
     # -- a padding sequence (no rows: cu[b] == cu[B]) owns one program, _first_tile(b), which
     # leaves before the search: a graph has up to max_num_seqs sequence slots, mostly padding,
     # and a search in each made a small mixed step's attention slower (README, Speed) --
@@ -871,15 +864,13 @@ def _prefill_kernel(
     if tl.load(cu_seqlens_q_ptr + pad, mask=(pad >= 0) & (pad < num_seqs), other=-1) == total:
         return
     # -- find this program's sequence: the last b with _first_tile(b) <= pid --
-    lo = 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
+    b, hi = 0, num_seqs - 1
+    while b < hi:
+        mid = (b + hi + 1) // 2
         if _first_tile(cu_seqlens_q_ptr, mid, G, BLOCK_M) <= pid:
-            lo = mid
+            b = mid
         else:
             hi = mid - 1
-    b = lo
     tile = pid - _first_tile(cu_seqlens_q_ptr, b, G, BLOCK_M)
     q_start = tl.load(cu_seqlens_q_ptr + b)
     T = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
@@ -1089,9 +1080,7 @@ def _gemv_kernel(
     fp8), plus M * (K + N) and the partials, 2 * M * SPLIT_K * N fp32.
     """
     tl.static_assert(not (NORM and SILU_MUL), "one prologue at a time")
-    m = tl.program_id(0)
-    tile = tl.program_id(1)
-    split = tl.program_id(2)
+    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     x_row = x_ptr + m * stride_xm
