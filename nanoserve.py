@@ -324,8 +324,9 @@ class Attention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]      # the rows of q, k, v in qkv_proj
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)  # Qwen2
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:                                    # Qwen3: weights (hd,), shared by heads
-            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.q_norm = self.k_norm = None                   # Qwen3's RMSNorm over each head of q
+        if cfg.qk_norm:                                    # and k, before RoPE (in rope_store)
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)   # weights (hd,), shared by heads
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.scale = self.hd ** -0.5                       # softmax(q k^T / sqrt(hd))
         # triton, sdpa (the CPU path) or the torch references (pa.ATTENTION)
@@ -339,12 +340,10 @@ class Attention(nn.Module):
         qkv = pa.linear(x, self.qkv_proj.weight, norm=norm,
                         bias=self.qkv_proj.bias)           # (N_tok, (n_heads + 2 n_kv) hd) Qwen2
         q, k, v = (t.view(n, -1, self.hd) for t in qkv.split(self.split_sizes, dim=-1))
-        if hasattr(self, "q_norm"):        # Qwen3: each head of q and k normalized before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)                 # (N_tok, n_heads | n_kv, hd)
         # Rotate q and k by their positions, and write this step's K/V into the
         # pool first: attention then reads every key, old and new, from one place.
         self.rope_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, positions,
-                        rope.cos, rope.sin)
+                        rope.cos, rope.sin, self.q_norm, self.k_norm)
         o = self.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # (N_tok, n_heads, hd)
         # all_reduce: chapter: tensor parallelism (nothing when off)
         return pa.linear(o.reshape(n, self.n_heads * self.hd), self.o_proj.weight,

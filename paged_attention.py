@@ -108,12 +108,9 @@ def _attend_ref(q, k, v, scale):
     T, L = q.shape[0], k.shape[0]
     q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # (heads, T or L, hd)
     # torch's is_causal puts the diagonal top-left, right only without a cached prefix.
-    is_causal = T == L
-    mask = None
-    if not is_causal and T > 1:
-        q_pos = torch.arange(L - T, L, device=q.device)  # (T,)
-        mask = torch.arange(L, device=q.device) <= q_pos[:, None]  # (T, L)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+    pos = torch.arange(L, device=q.device)
+    mask = pos <= pos[L - T:, None] if T < L else None  # (T, L)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                        scale=scale, enable_gqa=True)  # (n_heads, T, hd)
     return o.transpose(0, 1)  # (T, n_heads, hd)
 
@@ -135,7 +132,10 @@ def rope_ref(x, positions, cos, sin):
 
 
 def rope_store_kvcache_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
-                           store=store_kvcache_ref):
+                           q_norm=None, k_norm=None, store=store_kvcache_ref):
+    if q_norm is not None:   # Qwen3's RMSNorm modules, weights (hd,): each head normalized first
+        q.copy_(rms_norm_ref(q, q_norm.weight, q_norm.eps))
+        k = rms_norm_ref(k, k_norm.weight, k_norm.eps)
     q.copy_(rope_ref(q, positions, cos, sin))
     store(rope_ref(k, positions, cos, sin), v, k_cache, v_cache, slot_mapping)
 
@@ -197,11 +197,9 @@ def apply_token_mask_ref(logits, rows, bitmask):   # (B, V) fp32, (R,) int64, (R
     return logits
 
 
-def norm(x, weight, eps):                                   # (N_tok, D) or (N_tok, heads, hd)
-    """RMSNorm (rms_norm_ref) over the last dim: one Triton launch on the GPU, torch ops on the
-    CPU. Qwen3 normalizes each head of q and k this way."""
-    return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape) if x.is_cuda \
-        else rms_norm_ref(x, weight, eps)
+def norm(x, weight, eps):                                   # (N_tok, D)
+    """RMSNorm (rms_norm_ref): one Triton launch on the GPU, torch ops on the CPU."""
+    return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
 
 
 def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
@@ -262,9 +260,8 @@ def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, 
     """-inf, in place, for tokens a row's grammar forbids next (apply_token_mask_ref): one
     Triton launch on the GPU (the interpreter would be slow on the CPU: torch there).
     The host copies V / 8 bytes per constrained row, the bits stay packed."""
-    if logits.is_cuda:
-        return apply_token_mask_triton(logits, rows, bitmask)
-    return apply_token_mask_ref(logits, rows, bitmask)
+    apply = apply_token_mask_triton if logits.is_cuda else apply_token_mask_ref
+    return apply(logits, rows, bitmask)
 
 
 def apply_logit_edits(logits, edits):                        # (B, V) fp32
@@ -664,9 +661,7 @@ def _decode_kernel(
     tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16, "tl.dot needs inner/outer dims >= 16")
     # kv heads vary fastest over the grid: programs that run side by side read
     # the same blocks (a token's n_kv heads are adjacent in the pool).
-    kv_head = tl.program_id(0)
-    b = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_head, b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _wait_for_inputs(PDL)  # q comes from the kernel before
     L = tl.load(context_lens_ptr + b)
     # -- this split's run of tiles; 1 active split for an empty (padding) row --
@@ -861,8 +856,7 @@ def _prefill_kernel(
     """
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16 and HEAD_DIM >= 16, "tl.dot needs inner/outer dims >= 16")
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    pid, kv_head = tl.program_id(0), tl.program_id(1)
     # -- a padding sequence (no rows: cu[b] == cu[B]) owns one program, _first_tile(b), which
     # leaves before the search: a graph has up to max_num_seqs sequence slots, mostly padding,
     # and a search in each made a small mixed step's attention slower (README, Speed) --
@@ -871,15 +865,13 @@ def _prefill_kernel(
     if tl.load(cu_seqlens_q_ptr + pad, mask=(pad >= 0) & (pad < num_seqs), other=-1) == total:
         return
     # -- find this program's sequence: the last b with _first_tile(b) <= pid --
-    lo = 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
+    b, hi = 0, num_seqs - 1
+    while b < hi:
+        mid = (b + hi + 1) // 2
         if _first_tile(cu_seqlens_q_ptr, mid, G, BLOCK_M) <= pid:
-            lo = mid
+            b = mid
         else:
             hi = mid - 1
-    b = lo
     tile = pid - _first_tile(cu_seqlens_q_ptr, b, G, BLOCK_M)
     q_start = tl.load(cu_seqlens_q_ptr + b)
     T = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
@@ -1089,9 +1081,7 @@ def _gemv_kernel(
     fp8), plus M * (K + N) and the partials, 2 * M * SPLIT_K * N fp32.
     """
     tl.static_assert(not (NORM and SILU_MUL), "one prologue at a time")
-    m = tl.program_id(0)
-    tile = tl.program_id(1)
-    split = tl.program_id(2)
+    m, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     x_row = x_ptr + m * stride_xm
@@ -1340,14 +1330,25 @@ def linear_fp8(x, weight, norm_weight, eps, silu_mul):  # (N_tok, K) -> (N_tok, 
 # Rotary embeddings touch q and k once, just before k is written to the pool:
 # one program per token rotates its q in place and its k on the way into the
 # pool, and copies v, so rotation and store cost one launch instead of two.
+# Qwen3's RMSNorm over each head of q and k rides along (HAS_NORM): at batch 1,
+# two launches a layer of their own cost 9% of Qwen3-0.6B's decode step (H200).
 
 @triton.jit
-def _rotate_half(ptr, offs, cos, sin, mask, HALF: tl.constexpr):
-    """Rotate the rows at ptr + offs in the "rotate half" layout of
-    transformers (channel i pairs with i + hd/2), in fp32; returns both halves."""
-    x1 = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+def _rotate_into(src_ptr, offs, dst_ptr, offs_dst, cos, sin, mask, w_ptr, eps,
+                 HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """Rotate the rows (heads) at src_ptr + offs into dst_ptr + offs_dst, in fp32, in the "rotate
+    half" layout of transformers (channel i pairs with i + hd/2). With HAS_NORM each row is first
+    normalized by the weight at w_ptr, rounded to the dtype before the weight and after it."""
+    dtype = src_ptr.dtype.element_ty
+    x1 = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        offs_w = tl.arange(0, HALF)[None, :]
+        x1 = (tl.load(w_ptr + offs_w) * (x1 * rstd).to(dtype)).to(tl.float32)
+        x2 = (tl.load(w_ptr + HALF + offs_w) * (x2 * rstd).to(dtype)).to(tl.float32)
+    tl.store(dst_ptr + offs_dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(dst_ptr + offs_dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -1361,6 +1362,9 @@ def _rope_store_kvcache_kernel(
     positions_ptr,     # (N_tok,) int64 position of each token in its sequence
     cos_ptr,           # (max_model_len, hd/2) fp32 cos of position * frequency
     sin_ptr,           # (max_model_len, hd/2) fp32 sin of the same
+    q_norm_ptr,        # (hd,) weight of q's per-head RMSNorm (read only with HAS_NORM)
+    k_norm_ptr,        # (hd,) weight of k's per-head RMSNorm (read only with HAS_NORM)
+    eps,               # both norms' epsilon
     n_heads,           # query heads per token
     n_kv,              # kv heads per token
     stride_qt,         # q stride between tokens
@@ -1372,11 +1376,12 @@ def _rope_store_kvcache_kernel(
     N_HEADS_PAD: tl.constexpr,  # n_heads rounded up to a power of two
     N_KV_PAD: tl.constexpr,     # n_kv rounded up to a power of two
     HEAD_DIM: tl.constexpr,     # hd
+    HAS_NORM: tl.constexpr,     # normalize each head of q and k before the rotation
     PDL: tl.constexpr,          # launched with programmatic dependent launch (USE_PDL)
 ):
-    """One program handles one token: q and k rotated by the token's position
-    (x1, x2 = halves; x -> [x1 cos - x2 sin, x2 cos + x1 sin], in fp32), then
-    k and v stored at slot * n_kv * hd as in store_kvcache. A padding token
+    """One program handles one token: q and k (with HAS_NORM each head normalized first)
+    rotated by the token's position (x1, x2 = halves; x -> [x1 cos - x2 sin, x2 cos + x1 sin],
+    in fp32), then k and v stored at slot * n_kv * hd as in store_kvcache. A padding token
     (slot -1) still rotates its q, which nobody reads.
     Memory traffic: q read and written, k and v read and written once."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -1389,33 +1394,27 @@ def _rope_store_kvcache_kernel(
     cos = tl.load(cos_ptr + pos * HALF + offs_d)[None, :]  # (1, HALF)
     sin = tl.load(sin_ptr + pos * HALF + offs_d)[None, :]
     _wait_for_inputs(PDL)  # q, k and v come from the kernel before
-    dtype = q_ptr.dtype.element_ty
     # -- q, in place --
     offs_h = tl.arange(0, N_HEADS_PAD)
     mask = (offs_h < n_heads)[:, None]
     offs_q = t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]  # (N_HEADS_PAD, HALF)
-    q1, q2 = _rotate_half(q_ptr, offs_q, cos, sin, mask, HALF)
-    tl.store(q_ptr + offs_q, q1.to(dtype), mask=mask)
-    tl.store(q_ptr + offs_q + HALF, q2.to(dtype), mask=mask)
+    _rotate_into(q_ptr, offs_q, q_ptr, offs_q, cos, sin, mask, q_norm_ptr, eps, HAS_NORM, HALF)
     # -- k rotated and v copied into the pool --
     if slot < 0:  # padding token: its slot belongs to nobody
         return
     offs_h = tl.arange(0, N_KV_PAD)
     mask = (offs_h < n_kv)[:, None]
-    k1, k2 = _rotate_half(k_ptr, t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
-                          cos, sin, mask, HALF)
-    offs_v = t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    v1 = tl.load(v_ptr + offs_v, mask=mask)
-    v2 = tl.load(v_ptr + offs_v + HALF, mask=mask)
     offs_cache = slot * n_kv * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]  # (N_KV_PAD, HALF)
-    tl.store(k_cache_ptr + offs_cache, k1.to(dtype), mask=mask)
-    tl.store(k_cache_ptr + offs_cache + HALF, k2.to(dtype), mask=mask)
-    tl.store(v_cache_ptr + offs_cache, v1, mask=mask)
-    tl.store(v_cache_ptr + offs_cache + HALF, v2, mask=mask)
+    _rotate_into(k_ptr, t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                 k_cache_ptr, offs_cache, cos, sin, mask, k_norm_ptr, eps, HAS_NORM, HALF)
+    offs_v = t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    tl.store(v_cache_ptr + offs_cache, tl.load(v_ptr + offs_v, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + offs_cache + HALF, tl.load(v_ptr + offs_v + HALF, mask=mask), mask=mask)
 
 
-def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin):
-    """Rotate q in place and store rotated k and v at their slots. No host sync."""
+def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
+                       q_norm=None, k_norm=None):
+    """rope_store_kvcache_ref in one launch, the per-head norms included. No host sync."""
     _check_cache(k_cache, v_cache)
     N_tok, n_heads, hd = q.shape
     n_kv = k.shape[1]
@@ -1426,13 +1425,15 @@ def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, 
         assert t.dtype == torch.int64 and t.shape == (N_tok,) and t.is_contiguous()
     assert cos.shape == sin.shape and cos.shape[1] == hd // 2 and cos.dtype == torch.float32
     assert cos.is_contiguous() and sin.is_contiguous()
+    norms = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+    assert q_norm is None or (norms[0].shape == norms[1].shape == (hd,) and k_norm.eps == norms[2])
     if N_tok == 0:
         return
     _rope_store_kvcache_kernel[(N_tok,)](
-        q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, n_heads, n_kv,
+        q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, *norms, n_heads, n_kv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         N_HEADS_PAD=triton.next_power_of_2(n_heads), N_KV_PAD=triton.next_power_of_2(n_kv),
-        HEAD_DIM=hd, PDL=USE_PDL, **PDL_LAUNCH,
+        HEAD_DIM=hd, HAS_NORM=q_norm is not None, PDL=USE_PDL, **PDL_LAUNCH,
     )
 
 

@@ -1500,6 +1500,40 @@ def test_rope_store_kvcache(device, dtype, n_heads, n_kv, hd):
 
 
 @DEVICE_DTYPES
+def test_rope_store_kvcache_with_head_norms(device, dtype):
+    """Qwen3's RMSNorm over each head of q and k, fused into the rotation, against the unfused
+    steps: transformers' Qwen3RMSNorm on each head, then the rotation and store without norms."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    gen = torch.Generator().manual_seed(5)
+    N_tok, n_heads, n_kv, hd, num_blocks, block_size = 6, 9, 3, 64, 4, 8
+    q, k, v = fused_qkv_views(N_tok, n_heads, n_kv, hd, dtype, device, gen)
+    positions = torch.randint(0, 100, (N_tok,), generator=gen).to(device)
+    freqs = torch.outer(torch.arange(100.0), torch.rand(hd // 2, generator=gen))  # (100, hd/2)
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    slot_mapping, k_cache, v_cache = random_pool(num_blocks, block_size, n_kv, hd, N_tok, 1,
+                                                 dtype, device, gen)
+    norms = [ns.RMSNorm(hd, 1e-6).to(device, dtype) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (torch.rand(hd, generator=gen) + 0.5).to(device, dtype)
+    hf_norms = [Qwen3RMSNorm(hd, eps=1e-6).to(device, dtype) for _ in range(2)]
+    for h, n in zip(hf_norms, norms):
+        h.weight.data = n.weight.data.clone()
+    # unfused: each head normalized on its own, then the rotation and store without norms
+    q_ref, k_ref, v_ref = hf_norms[0](q), k_cache.clone(), v_cache.clone()
+    pa.rope_store_kvcache(q_ref, hf_norms[1](k), v, k_ref, v_ref, slot_mapping, positions, cos, sin)
+    # the reference with norms, and the kernel with norms, each in one call
+    q_torch, k_torch, v_torch = q.clone(), k_cache.clone(), v_cache.clone()
+    pa.rope_store_kvcache_ref(q_torch, k, v, k_torch, v_torch, slot_mapping, positions, cos, sin,
+                              *norms)
+    pa.rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin, *norms)
+    for what, (q_out, k_out, v_out) in (("reference", (q_torch, k_torch, v_torch)),
+                                        ("kernel", (q, k_cache, v_cache))):
+        compare(q_out, q_ref, dtype, f"{what}: normalized and rotated q")
+        compare(k_out, k_ref, dtype, f"{what}: normalized and rotated k in the pool")
+        assert torch.equal(v_out, v_ref)
+
+
+@DEVICE_DTYPES
 @pytest.mark.parametrize("N_tok,D", [(5, 96), (3, 2048)])
 def test_rms_norm_and_silu_and_mul(device, dtype, N_tok, D):
     """The elementwise kernels against their references, and the references
