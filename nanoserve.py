@@ -861,7 +861,8 @@ class ModelRunner:
             flat["context_lens"].append(end)
             flat["cu_seqlens_q"].append(last_row + 1)
             if end - d >= seq.num_tokens:   # its last input is its newest token: it samples
-                samples += [(row, seq) for row in range(last_row - d, last_row + 1)]
+                samples += [(row, seq) for row in range(last_row - d, last_row + 1)] if d \
+                    else [(last_row, seq)]      # a plain row: no comprehension call per row
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
         return flat, samples, pending
 
@@ -1094,10 +1095,11 @@ class EngineCore:
         tokens = host[0] if host else []
         self.runner.grammar_masks.follow(step.seqs, tokens)         # chapter: structured output
         outputs, rows = [], iter(zip(step.seqs, zip(*host)))   # a row: its token, then log-probs
+        accept = self.scheduler.speculation.accept if step.batch.draft_token_ids else None
         for seq, row in rows:
             seq.num_pending_tokens -= 1         # read: no longer pending (the table at step)
-            # chapter: speculative decoding (the row alone when off; with drafts, those kept)
-            for row in self.scheduler.speculation.accept(seq, row, rows, step, self.launched):
+            # chapter: speculative decoding (with drafts, the rows kept; else the row alone)
+            for row in accept(seq, row, rows, step, self.launched) if accept else (row,):
                 if not seq.is_finished:         # else aborted, or ended by the step before
                     outputs.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
@@ -1594,7 +1596,7 @@ class OpenAIServer:
         f = parse_fields(await read_body(self, request), COMPLETION_FIELDS)
         prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
         # max_tokens 0 (echo, to score the prompt) still samples a token. The engine core drops it.
-        grammar = await request_grammar(self, f.get("response_format"))  # chapter: structured output
+        grammar = await request_grammar(self, f.get("response_format")) # chapter: structured output
         params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
                                        num_top if echo else None, grammar)
         prompt_ids = [await self._encode(p) for p in prompts]
@@ -2174,7 +2176,7 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
     "cat" at row 3, and it moves back by 1. pa.follow_accepted reads prev's tokens on the
     device: no host round trip."""
     drafted = prev.batch.draft_token_ids if prev is not None else {}
-    moved = [(row, seq) for row, seq in pending if seq in drafted]
+    moved = [(row, seq) for row, seq in pending if seq in drafted] if drafted else []
     if not moved:
         return
     index = {seq: i for i, seq in enumerate(batch.seqs)}
