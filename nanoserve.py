@@ -1095,10 +1095,11 @@ class EngineCore:
         tokens = host[0] if host else []
         self.runner.grammar_masks.follow(step.seqs, tokens)         # chapter: structured output
         outputs, rows = [], iter(zip(step.seqs, zip(*host)))   # a row: its token, then log-probs
+        # chapter: speculative decoding (a step with drafts keeps some of each row's; without
+        # drafts each row is kept alone, with no call per row)
         accept = self.scheduler.speculation.accept if step.batch.draft_token_ids else None
         for seq, row in rows:
             seq.num_pending_tokens -= 1         # read: no longer pending (the table at step)
-            # chapter: speculative decoding (with drafts, the rows kept; else the row alone)
             for row in accept(seq, row, rows, step, self.launched) if accept else (row,):
                 if not seq.is_finished:         # else aborted, or ended by the step before
                     outputs.append(self._append_token(seq, *row))
