@@ -587,7 +587,7 @@ class ScheduledBatch:
     seqs: list
     num_new_tokens: list
     draft_token_ids: dict = field(default_factory=dict)  # chapter: speculative decoding (by seq)
-    is_decode = property(lambda self: all(n == 1 for n in self.num_new_tokens))
+    is_decode = property(lambda self: set(self.num_new_tokens) == {1})
 
 class Scheduler:
     DECODES_EVERY = 4     # chapter: the burst rule (at a burst, decodes ride along every 4th step)
@@ -666,7 +666,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.block_table.extend(self.allocator.allocate() for _ in range(needed))
+        seq.block_table += [self.allocator.allocate() for _ in range(needed)]
         return True
 
     def _preempt(self, seq: Sequence):
@@ -842,25 +842,26 @@ class ModelRunner:
         chapter "speculative decoding"). And the rows whose input is a pending token."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
+        input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = flat.values()
         samples, pending, tables = [], [], []   # samples and pending: (row, seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            drafts = batch.draft_token_ids.get(seq, [])    # chapter: speculative decoding
+            drafts = batch.draft_token_ids.get(seq, ())    # chapter: speculative decoding
             d = len(drafts)                                 # (0 when off)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            last_row = flat["cu_seqlens_q"][-1] + n - 1
-            flat["input_ids"] += seq.token_ids[start:end - d]
-            if end - d > seq.num_tokens:     # its last input is the pending token (see Sequence)
-                flat["input_ids"].append(0)        # a placeholder: _put_input_ids fills it
+            last_row = cu_seqlens_q[-1] + n - 1
+            input_ids += seq.token_ids[start:end - d]
+            if end - d > len(seq.token_ids):   # its last input is the pending token (see Sequence)
+                input_ids.append(0)                # a placeholder: _put_input_ids fills it
                 pending.append((last_row - d, seq))
-            flat["input_ids"] += drafts
+            input_ids += drafts
             table = seq.block_table
             tables.append(table + [0] * (width - len(table)))   # the row's blocks, then 0s
-            flat["positions"] += range(start, end)
-            flat["slot_mapping"] += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            flat["context_lens"].append(end)
-            flat["cu_seqlens_q"].append(last_row + 1)
-            if end - d >= seq.num_tokens:   # its last input is its newest token: it samples
+            positions += range(start, end)
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            context_lens.append(end)
+            cu_seqlens_q.append(last_row + 1)
+            if end - d >= len(seq.token_ids):   # its last input is its newest token: it samples
                 samples += [(row, seq) for row in range(last_row - d, last_row + 1)] if d \
                     else [(last_row, seq)]      # a plain row: no comprehension call per row
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
@@ -904,12 +905,12 @@ class ModelRunner:
         """The rows' settings; positions: of the token each row draws, which seeds its noise."""
         params, V = [s.params for s in seqs], self.cfg.vocab_size
         all_greedy = all(p.temperature == 0 for p in params)
-        def per_row(values, dtype):            # an all-greedy batch needs no per-row tensors
-            return None if all_greedy else pa.to_device(self.device, values, dtype)
+        def per_row(value, dtype):            # an all-greedy batch needs no per-row tensors
+            return None if all_greedy else pa.to_device(self.device, [*map(value, params)], dtype)
         return SamplingBatch(
-            temperatures=per_row([p.temperature for p in params], torch.float32),
-            top_ks=per_row([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
-            top_ps=per_row([p.top_p for p in params], torch.float32),
+            temperatures=per_row(lambda p: p.temperature, torch.float32),
+            top_ks=per_row(lambda p: p.top_k if p.top_k > 0 else V, torch.int64),
+            top_ps=per_row(lambda p: p.top_p, torch.float32),
             # hash of (seed, position): the same in every process (only str hashes are salted)
             generators=[(i, s.generator, hash((s.params.seed, positions[i])))
                         for i, s in enumerate(seqs) if s.generator is not None],
@@ -1297,7 +1298,8 @@ class FrontEnd:
         stopped = []
         for state, num_tokens, num_chars in changed.values():   # as they were before this call
             # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
-            if not state.error and self._truncate_at_stop_string(state, num_chars, num_tokens):
+            if state.params.stop and not state.error and \
+                    self._truncate_at_stop_string(state, num_chars, num_tokens):
                 if state.finish_reason is None:        # the engine core still runs it
                     stopped.append(state.request_id)
                 state.finish_reason = "stop"
@@ -1971,10 +1973,12 @@ def name_computed_blocks(scheduler: Scheduler, seq: Sequence):
     the step launched after it (num_computed_tokens counts launched ones), which is safe: a step
     reading it via a prefix-cache hit is launched later on the same CUDA stream, so runs after
     the write. Only read-back tokens are hashed (the pending one is not in token_ids)."""
-    if not scheduler.cfg.enable_prefix_caching:
-        return
-    _hash_full_blocks(seq, scheduler.block_size)
-    num_full = min(seq.num_computed_tokens // scheduler.block_size, len(seq.block_hashes))
+    bs = scheduler.block_size
+    if not scheduler.cfg.enable_prefix_caching or seq.num_computed_tokens // bs <= \
+            seq.num_named_blocks:
+        return                          # no block filled since the last call: most steps
+    _hash_full_blocks(seq, bs)
+    num_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
     for i in range(seq.num_named_blocks, num_full):   # only the newly full ones
         scheduler.allocator.cache(seq.block_table[i], seq.block_hashes[i])
     seq.num_named_blocks = max(seq.num_named_blocks, num_full)
@@ -2590,7 +2594,7 @@ def compute_prompt_logprobs(runner: ModelRunner, batch: ScheduledBatch, hidden):
 def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
     """Into a token's output: its log-prob and seq's top k, if it asked (logprobs: the token's
     row, (chosen, top values, top ids)); with its first token, its prompt's log-probs."""
-    if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
+    if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
         out.prompt_logprobs = seq.prompt_logprobs
     k = seq.params.logprobs
     if out.token_id is not None and logprobs and k is not None:
