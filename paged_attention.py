@@ -1601,7 +1601,7 @@ def _apply_token_mask_kernel(
 def apply_token_mask_triton(logits, rows, bitmask, BLOCK_WORDS=32):
     """apply_token_mask_ref in one launch (_apply_token_mask_kernel): R x V / 8 bytes
     read, and a write of 4 bytes per forbidden token only."""
-    B, V = logits.shape
+    V = logits.shape[1]
     R, W = bitmask.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1, "fp32 rows, contiguous"
     assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and W == triton.cdiv(V, 32)
