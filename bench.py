@@ -20,6 +20,9 @@ the same inputs.
     structured  offline throughput with 0%, 10% and 100% of the requests
                 constrained to a JSON schema, 10% and 100% under tool_choice
                 "auto"'s grammar, and the host time of the grammars
+    host        the host's microseconds per phase of a steady decode step (schedule,
+                prepare, launch, sample, commit, the front end) at each batch
+                size, beside the device's for the step's CUDA graph alone
     spec        speculative decoding (prompt lookup): on a CPU, one sequence of
                 the real model on four tasks (copy, rename in code, answer
                 from a document, open-ended), nanoserve with and without
@@ -49,6 +52,7 @@ GPU (H100/H200; the model defaults to --random llama-3.2-1b there):
     python bench.py prefix --json bench_out/prefix.json
     python bench.py structured --tokenizer weights/SmolLM2-135M-Instruct --json bench_out/structured.json
     python bench.py spec --json bench_out/spec.json
+    python bench.py host --json bench_out/host.json
   (throughput without --hf-num-seqs runs transformers on all 256 requests:
   several minutes more; --model DIR runs a real checkpoint instead)
 
@@ -65,6 +69,7 @@ mean nothing):
     python bench.py tp --device cpu --random tiny
     python bench.py structured --device cpu --model weights/SmolLM2-135M-Instruct
     python bench.py spec --device cpu --model weights/SmolLM2-135M-Instruct --num-tasks 1 --output-len 8 --repeats 1
+    python bench.py host --device cpu --random tiny
     TRITON_INTERPRET=1 python bench.py kernel --device cpu
 
 Dimension letters: B sequences in a batch, T tokens of one sequence, n_heads
@@ -1727,8 +1732,86 @@ def rate_list(s):
     return [math.inf if x.strip() in ("inf", "infinity") else float(x) for x in s.split(",")]
 
 
+# ---------------------------------------------------------------------------
+# Mode: host
+# Where the host's time goes in a steady decode step, phase by phase, beside
+# the device's time for the same step. Each phase is wrapped with a timer; only
+# steps whose batch is B decodes count (after the first few). The device's
+# time is the B-row decode graph replayed alone. While the host's phases add
+# up to more than the device's time, the device waits for the host.
+
+HOST_PHASES = (("Scheduler", "schedule"), ("ModelRunner", "prepare"), ("ModelRunner", "launch"),
+               ("ModelRunner", "sampling_batch"), ("ModelRunner", "sample"),
+               ("EngineCore", "_commit"), ("FrontEnd", "process"), ("EngineCore", "step"))
+
+
+def host(args, model_dir, hw):
+    """Host microseconds per phase of a steady decode step at each batch size,
+    and the device's microseconds for the same step's CUDA graph (GPU)."""
+    import nanoserve as ns
+    llm = make_llm(args, model_dir)
+    vocab = model_shape(model_dir, args.torch_dtype).vocab_size
+    totals, counting = {}, [False]
+    originals = {(c, m): getattr(getattr(ns, c), m) for c, m in HOST_PHASES}
+
+    def timed(cls, name):
+        fn = originals[(cls, name)]
+
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if counting[0]:
+                    totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+    for cls, name in HOST_PHASES:
+        setattr(getattr(ns, cls), name, timed(cls, name))
+    rng = random.Random(0)
+    try:
+        nanoserve_generate(llm, random_prompts(rng, vocab, [args.prompt_len] * 8), 8)  # warm-up
+        for B in args.batch_sizes:
+            engine, steps = llm.engine, [0]
+            step = ns.EngineCore.step
+
+            def counted_step(self):
+                s = self.scheduler
+                steady = len(s.running) == B and not s.waiting and all(
+                    q.num_computed_tokens >= q.num_prompt_tokens for q in s.running)
+                steps[0] += steady
+                counting[0] = steady and steps[0] > 8       # the first few warm up
+                return step(self)
+            ns.EngineCore.step = counted_step
+            totals.clear()
+            try:
+                nanoserve_generate(llm, random_prompts(rng, vocab, [args.prompt_len] * B),
+                                   args.decode_len)
+            finally:
+                ns.EngineCore.step, counting[0] = step, False
+            n = max(1, steps[0] - 8)
+            device_us = graph_us(engine.runner, B, args.device)
+            report("nanoserve", f"host per decode step, B={B}", steps=n, device_us=device_us,
+                   **{f"{name}_us": 1e6 * totals.get(name, 0.0) / n for _, name in HOST_PHASES})
+    finally:
+        for (cls, name), fn in originals.items():
+            setattr(getattr(ns, cls), name, fn)
+
+
+def graph_us(runner, B, device, reps=50):
+    """Microseconds of the B-row decode graph replayed alone (its inputs as the last step left
+    them); None without one."""
+    import paged_attention as pa
+    key = pa.graph_key(runner.graph_sizes, True, B)
+    if not device.startswith("cuda") or key not in runner.graphs:
+        return None
+    graph = runner.graphs[key][0]
+    graph.replay()
+    seconds, _ = timed(lambda: [graph.replay() for _ in range(reps)], device)
+    return 1e6 * seconds / reps
+
+
 MODES = {"throughput": throughput, "latency": latency, "serve": serve, "kernel": kernel, "prefix": prefix,
-         "structured": structured, "tp": tensor_parallel, "spec": spec}
+         "structured": structured, "tp": tensor_parallel, "spec": spec, "host": host}
 
 # Sizes of each mode: (flag, type, GPU default, CPU default, help).
 SIZE_FLAGS = {
@@ -1785,6 +1868,10 @@ SIZE_FLAGS = {
         ("num_requests", int, 128, 4, "requests per rate"),
         ("input_len", int, 512, 16, "prompt tokens of a served request"),
         ("output_len", int, 64, 8, "output tokens of a served request")],
+    "host": [
+        ("batch_sizes", int_list, [1, 128, 256], [1, 16], "batches of steady decode"),
+        ("prompt_len", int, 128, 16, "prompt tokens of each row"),
+        ("decode_len", int, 128, 32, "new tokens of each row")],
     "spec": [
         ("num_speculative_tokens", int, 4, 4, "drafts per step (k)"),
         ("output_len", int, 128, 128, "most new tokens of a request"),
