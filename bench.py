@@ -437,17 +437,18 @@ ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tok
                 "enforce_eager", "tensor_parallel_size", "quantization")  # passed to nanoserve only when set
 
 
-def make_llm(args, model_dir, **overrides):
-    from nanoserve import LLM
+def make_llm(args, model_dir, ns=None, **overrides):
+    LLM = (ns or importlib.import_module("nanoserve")).LLM
     kwargs = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     kwargs.update(overrides)
     log(f"starting nanoserve LLM({model_dir.name}, {kwargs})")
     return LLM(str(model_dir), device=args.device, dtype=args.dtype, **kwargs)
 
 
-def nanoserve_generate(llm, prompts, max_tokens):
-    """Greedy, EOS ignored; max_tokens is one int or one per prompt."""
-    from nanoserve import SamplingParams
+def nanoserve_generate(llm, prompts, max_tokens, ns=None):
+    """Greedy, EOS ignored; max_tokens is one int or one per prompt (ns: another nanoserve
+    module than the one on the path)."""
+    SamplingParams = (ns or importlib.import_module("nanoserve")).SamplingParams
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in counts]
     return llm.generate(prompts, params)
@@ -1738,7 +1739,9 @@ def rate_list(s):
 # the device's time for the same step. Each phase is wrapped with a timer; only
 # steps whose batch is B decodes count (after the first few). The device's
 # time is the B-row decode graph replayed alone. While the host's phases add
-# up to more than the device's time, the device waits for the host.
+# up to more than the device's time, the device waits for the host. With
+# --against DIR, DIR's nanoserve.py (on this paged_attention.py) runs beside
+# this one in the same process, the two taking turns each round.
 
 HOST_PHASES = (("Scheduler", "schedule"), ("ModelRunner", "prepare"), ("ModelRunner", "launch"),
                ("ModelRunner", "sampling_batch"), ("ModelRunner", "sample"),
@@ -1748,53 +1751,67 @@ HOST_PHASES = (("Scheduler", "schedule"), ("ModelRunner", "prepare"), ("ModelRun
 def host(args, model_dir, hw):
     """Host microseconds per phase of a steady decode step at each batch size,
     and the device's microseconds for the same step's CUDA graph (GPU)."""
-    import nanoserve as ns
-    llm = make_llm(args, model_dir)
+    import nanoserve
     vocab = model_shape(model_dir, args.torch_dtype).vocab_size
-    totals, counting = {}, [False]
-    originals = {(c, m): getattr(getattr(ns, c), m) for c, m in HOST_PHASES}
+    modules = [("this", nanoserve)]
+    if args.against:
+        spec = importlib.util.spec_from_file_location("nanoserve_against",
+                                                      Path(args.against) / "nanoserve.py")
+        modules.append((args.against, importlib.util.module_from_spec(spec)))
+        sys.modules[spec.name] = modules[-1][1]              # dataclasses look it up
+        spec.loader.exec_module(modules[-1][1])
+    # two engines share the device: each gets the blocks its rows need, not a share of memory
+    blocks = max(args.batch_sizes) * -(-(args.prompt_len + args.decode_len) // 16) + 64
+    sizes = dict(num_blocks=blocks, max_num_seqs=max(args.batch_sizes)) if args.against else {}
+    engines = [(label, ns, make_llm(args, model_dir, ns=ns, **sizes), host_timers_of(ns))
+               for label, ns in modules]
+    rng = random.Random(0)
+    for label, ns, llm, _ in engines:
+        nanoserve_generate(llm, random_prompts(rng, vocab, [args.prompt_len] * 8), 8, ns)  # warm
+    for B in args.batch_sizes:
+        prompts = random_prompts(rng, vocab, [args.prompt_len] * B)
+        runs = {label: [] for label, *_ in engines}          # per round: {phase: us a step}
+        for r in range(args.rounds):
+            for label, ns, llm, (totals, steps) in engines[::1 if r % 2 == 0 else -1]:
+                totals.clear()
+                steps.update(B=B, n=0)
+                nanoserve_generate(llm, prompts, args.decode_len, ns)
+                n = max(1, steps["n"] - 8)
+                runs[label].append({k: 1e6 * v / n for k, v in totals.items()})
+        for label, ns, llm, _ in engines:
+            median = {k: statistics.median(r[k] for r in runs[label]) for k in runs[label][0]}
+            report(f"nanoserve ({label})", f"host per decode step, B={B}",
+                   device_us=graph_us(llm.engine.runner, B, args.device),
+                   **{f"{name}_us": median.get(name, 0.0) for _, name in HOST_PHASES})
 
-    def timed(cls, name):
-        fn = originals[(cls, name)]
 
+def host_timers_of(ns):
+    """Wrap one nanoserve module's phases with timers; return (totals, steps). steps["n"] counts
+    the steady steps of steps["B"] rows; the phases of the ninth and later ones count."""
+    totals, steps = {}, {"B": 0, "n": 0, "on": False}
+
+    def timed(fn, name):
         def wrapper(*a, **k):
             start = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                if counting[0]:
+                if steps["on"]:
                     totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
         return wrapper
     for cls, name in HOST_PHASES:
-        setattr(getattr(ns, cls), name, timed(cls, name))
-    rng = random.Random(0)
-    try:
-        nanoserve_generate(llm, random_prompts(rng, vocab, [args.prompt_len] * 8), 8)  # warm-up
-        for B in args.batch_sizes:
-            engine, steps = llm.engine, [0]
-            step = ns.EngineCore.step
+        setattr(getattr(ns, cls), name, timed(getattr(getattr(ns, cls), name), name))
+    step = ns.EngineCore.step
 
-            def counted_step(self):
-                s = self.scheduler
-                steady = len(s.running) == B and not s.waiting and all(
-                    q.num_computed_tokens >= q.num_prompt_tokens for q in s.running)
-                steps[0] += steady
-                counting[0] = steady and steps[0] > 8       # the first few warm up
-                return step(self)
-            ns.EngineCore.step = counted_step
-            totals.clear()
-            try:
-                nanoserve_generate(llm, random_prompts(rng, vocab, [args.prompt_len] * B),
-                                   args.decode_len)
-            finally:
-                ns.EngineCore.step, counting[0] = step, False
-            n = max(1, steps[0] - 8)
-            device_us = graph_us(engine.runner, B, args.device)
-            report("nanoserve", f"host per decode step, B={B}", steps=n, device_us=device_us,
-                   **{f"{name}_us": 1e6 * totals.get(name, 0.0) / n for _, name in HOST_PHASES})
-    finally:
-        for (cls, name), fn in originals.items():
-            setattr(getattr(ns, cls), name, fn)
+    def counted_step(self):
+        s = self.scheduler
+        steady = len(s.running) == steps["B"] and not s.waiting and all(
+            q.num_computed_tokens >= q.num_prompt_tokens for q in s.running)
+        steps["n"] += steady
+        steps["on"] = steady and steps["n"] > 8    # until the next step: the front end's turn too
+        return step(self)
+    ns.EngineCore.step = counted_step
+    return totals, steps
 
 
 def graph_us(runner, B, device, reps=50):
@@ -1870,6 +1887,8 @@ SIZE_FLAGS = {
         ("output_len", int, 64, 8, "output tokens of a served request")],
     "host": [
         ("batch_sizes", int_list, [1, 128, 256], [1, 16], "batches of steady decode"),
+        ("rounds", int, 3, 3, "runs of each batch size (the median counts)"),
+        ("against", str, None, None, "a folder whose nanoserve.py runs beside, in turns"),
         ("prompt_len", int, 128, 16, "prompt tokens of each row"),
         ("decode_len", int, 128, 32, "new tokens of each row")],
     "spec": [
