@@ -2462,7 +2462,8 @@ class GrammarMasks:
 
     def start_matcher(self, grammar):
         """A Future of new_matcher(grammar), built on the compile thread, never on the step loop;
-        None without a grammar. Ready long before its first sample, mostly."""
+        None without a grammar. Ready long before its first sample, mostly. Sequence.matcher holds
+        it until the row's first fill, which waits for it once and keeps the matcher instead."""
         return None if grammar is None else self.compiler.submit(self.new_matcher, grammar)
 
     def new_matcher(self, grammar):
@@ -2473,8 +2474,9 @@ class GrammarMasks:
     def start_fill(self, seqs, device):
         """For ModelRunner.sample: fill_async for the rows with a grammar; None if there is none."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
-        return self.fill_async([seqs[row].matcher.result() for row in rows], rows, device) \
-            if rows else None
+        for seq in (seqs[row] for row in rows if isinstance(seqs[row].matcher, Future)):
+            seq.matcher = seq.matcher.result()   # a Future's result() takes a lock each call
+        return self.fill_async([seqs[row].matcher for row in rows], rows, device) if rows else None
 
     def fill_async(self, matchers, rows, device):
         """A Future of apply_token_mask's arguments, (rows, bitmask) on the device. On a thread of
@@ -2492,7 +2494,7 @@ class GrammarMasks:
     def follow(self, seqs, tokens):
         """For EngineCore._commit: each unfinished grammar row's matcher takes its read-back token,
         so that the grammar follows the output."""
-        self.consume([(seq.matcher.result(), token) for seq, token in zip(seqs, tokens)
+        self.consume([(seq.matcher, token) for seq, token in zip(seqs, tokens)
                       if seq.matcher is not None and not seq.is_finished])
 
     def consume(self, pairs):
@@ -2522,7 +2524,7 @@ _grammar_error = functools.lru_cache(maxsize=256)(llguidance.LLMatcher.validate_
 
 def grammar_done(seq: Sequence) -> bool:
     """Whether seq's grammar has ended: its answer is whole, and the request ends with "stop"."""
-    return seq.matcher is not None and seq.matcher.result().is_stopped()
+    return seq.matcher is not None and seq.matcher.is_stopped()
 
 # ---------------------------------------------------------------------------
 # Chapter: log-probs and logit edits
