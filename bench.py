@@ -1768,6 +1768,7 @@ def host(args, model_dir, hw):
     rng = random.Random(0)
     for label, ns, llm, _ in engines:
         nanoserve_generate(llm, random_prompts(rng, vocab, [args.prompt_len] * 8), 8, ns)  # warm
+    plotted = []                                         # (label, B, its medians) for the plot
     for B in args.batch_sizes:
         prompts = random_prompts(rng, vocab, [args.prompt_len] * B)
         runs = {label: [] for label, *_ in engines}          # per round: {phase: us a step}
@@ -1780,9 +1781,34 @@ def host(args, model_dir, hw):
                 runs[label].append({k: 1e6 * v / n for k, v in totals.items()})
         for label, ns, llm, _ in engines:
             median = {k: statistics.median(r[k] for r in runs[label]) for k in runs[label][0]}
+            median["device"] = graph_us(llm.engine.runner, B, args.device)
+            plotted.append((label, B, median))
             report(f"nanoserve ({label})", f"host per decode step, B={B}",
-                   device_us=graph_us(llm.engine.runner, B, args.device),
+                   device_us=median["device"],
                    **{f"{name}_us": median.get(name, 0.0) for _, name in HOST_PHASES})
+    plot_host(plotted, args.out_dir)
+
+
+def plot_host(rows, out_dir):
+    """Each version and batch size's host phases stacked, a step's worth, and the device's time
+    for the same step as a black bar across: where the stack rises above it, the device waits."""
+    plt = pyplot()
+    parts = [("schedule", lambda r: r["schedule"]), ("prepare", lambda r: r["prepare"]),
+             ("launch", lambda r: r["launch"] - r["prepare"]), ("sample", lambda r: r["sample"]),
+             ("commit", lambda r: r["_commit"]), ("front end", lambda r: r["process"])]
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows)), 4))
+    names, bottom = [f"{label}\nB={B}" for label, B, _ in rows], [0.0] * len(rows)
+    for part, height_of in parts:
+        heights = [height_of(r) for *_, r in rows]
+        ax.bar(names, heights, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    device = [(name, r["device"]) for name, (*_, r) in zip(names, rows) if r["device"]]
+    if device:
+        ax.scatter(*zip(*device), marker="_", s=1500, color="black", label="device (graph alone)")
+    ax.set_ylabel("microseconds per decode step")
+    ax.set_title("the host's work per phase of a steady decode step", fontsize=10)
+    ax.legend(fontsize=8)
+    save_plot(fig, out_dir, "host.png")
 
 
 def host_timers_of(ns):
