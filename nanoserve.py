@@ -102,6 +102,8 @@ class Config:
     quantization: Optional[str] = _flag(None, "fp8: the layers' weights in fp8 e4m3, a scale per "
                                               "output channel, quantized at load")
     num_speculative_tokens: int = _flag(0, "drafts checked per decode step (0: off; at most 15)")
+    async_scheduling: bool = _flag(True, "launch each step before the last one's tokens are read "
+                                         "back (chapter: async scheduling)", "--no-async-scheduling")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
     port: int = _flag(8000, "port the server listens on")
@@ -551,17 +553,9 @@ class BlockAllocator:
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
-
-    The pending token. EngineCore.step launches step N+1 before it reads step N's tokens back, so
-    the host's work hides behind the device's. A sequence's input in step N+1 is then the token
-    it sampled in step N, which is still only in device memory: its pending token.
-    num_pending_tokens counts the tokens sampled, or launched to be sampled, that are not in
-    token_ids yet. The scheduler computes a pending token like any other. ModelRunner._flatten
-    leaves a placeholder in its input row, which _put_input_ids fills on the device. Once the
-    prompt is computed, num_computed_tokens == len(token_ids) + num_pending_tokens - 1: every
-    token but the newest is launched. The table beside EngineCore.step follows one sequence
-    through a step; this much is enough to read on. A prefill chunk that is not the prompt's last
-    samples nothing, so it leaves no pending token."""
+    Between steps a running sequence's counts satisfy num_computed_tokens == len(token_ids) - 1
+    once its prompt is computed: every token but the newest is in the cache, and the newest is
+    the input of its next step, a decode."""
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
@@ -570,7 +564,7 @@ class Sequence:
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes, self.num_named_blocks = [], 0       # chapter: prefix caching
-        self.num_pending_tokens = 0      # launched to be sampled, not yet in token_ids (above)
+        self.num_pending_tokens = 0      # sampled on the device, not yet read back (EngineCore.step)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
         self.matcher = None                                    # chapter: structured output
@@ -611,7 +605,7 @@ class Scheduler:
                 break
             if not self._runs_this_step(seq, decodes_wait):
                 continue
-            # a pending token is computed like any other (see Sequence)
+            # (+ num_pending_tokens: chapter: async scheduling; 0 between steps when off)
             n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             if self._reserve_blocks(seq, n):
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
@@ -638,18 +632,12 @@ class Scheduler:
 
     def _runs_this_step(self, seq: Sequence, decodes_wait: bool) -> bool:
         """Whether a running sequence takes part in the step being built: not if preempted earlier
-        in this step's loop, nor if its pending token is its last, nor a decode held back at a
-        burst (decodes_wait: chapter: the burst rule; False when it does not apply)."""
+        in this step's loop, nor a decode held back at a burst (decodes_wait: chapter: the burst
+        rule; False when it does not apply), nor one that ends when its pending token is read."""
         preempted = seq.status != "running"
         held_back = decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens
-        return not (preempted or self._ends_when_read(seq) or held_back)
-
-    def _ends_when_read(self, seq: Sequence) -> bool:
-        """True if seq's pending token is its last by length: no later step is worth launching."""
-        num_tokens = seq.num_tokens + seq.num_pending_tokens
-        return seq.num_pending_tokens > 0 and (
-            num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
-            or num_tokens >= self.cfg.max_model_len)
+        # ends_when_read: chapter: async scheduling (False when off)
+        return not (preempted or held_back or ends_when_read(seq, self.cfg.max_model_len))
 
     def _num_blocks_needed(self, seq: Sequence, n: int) -> int:
         total = -(-(seq.num_computed_tokens + n) // self.block_size)  # ceil
@@ -700,7 +688,7 @@ class Scheduler:
 @dataclass
 class StepInputs:
     """A batch flattened into the buffers (prepare), padded to a graph's size if one replays it."""
-    input_ids: torch.Tensor           # (N_tok,) int64, pending tokens filled in on the device
+    input_ids: torch.Tensor           # (N_tok,) int64
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
     num_tokens: int                   # the real tokens; rows past them are padding
@@ -711,9 +699,9 @@ class StepInputs:
 @dataclass
 class LaunchedStep:
     """A step on the device, its whole life. ModelRunner.launch queues its forward pass and
-    logits. EngineCore keeps it as `launched` while the next step launches. ModelRunner.sample
-    samples it and starts the tokens' copy to the host, which the next EngineCore.step's _commit
-    waits for. (A step with grammar rows samples later: chapter: structured output.)"""
+    logits. ModelRunner.sample samples it and starts the tokens' copy to the host, which
+    EngineCore._commit waits for. (A step with grammar rows samples later: chapter: structured
+    output. Chapter async scheduling launches the next step before this one's _commit.)"""
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
@@ -800,12 +788,12 @@ class ModelRunner:
 
     # -- inputs --
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
-        """The step's inputs in the static buffers, in three parts: flatten the batch (_flatten),
-        pad it to the size of the graph that replays it (_pad), fill in the pending tokens from
-        prev's samples (_put_input_ids). A worked step, block_size 16, a budget of 41 tokens: B (70
-        tokens and a pending one, blocks [2, 5, 8, 6, 1]) decodes position 70; A (a 100-token
-        prompt, 16 cached, blocks [7, 3, 9, 4]) takes the 40 left (positions 16-55). _flatten:
-            input_ids     0 for B's pending token (filled on the device), then A's tokens 16..55
+        """The step's inputs in the static buffers, in two parts: flatten the batch (_flatten), then
+        pad it to the size of the graph that replays it (_pad). A worked step, block_size 16, a
+        budget of 41 tokens: B (71 tokens, blocks [2, 5, 8, 6, 1]) decodes position 70; A (a
+        100-token prompt, 16 cached, blocks [7, 3, 9, 4]) takes the 40 left (positions 16-55).
+        _flatten:
+            input_ids     B's token 70, then A's tokens 16..55
             positions     70, 16, 17, .., 55
             slot_mapping  22 (block 1), 48..63 (block 3), 144..159 (block 9), 64..71 (block 4)
             context_lens  [71, 56]: each sequence's tokens in the cache once this step has run
@@ -819,7 +807,10 @@ class ModelRunner:
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: run eagerly
         N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
-        self._put_input_ids(batch, input_ids, pending, prev)
+        if pending:         # chapter: async scheduling (no row has a pending token when off)
+            put_pending_tokens(self, batch, input_ids, pending, prev)
+        else:
+            pa.put(self.buffers["input_ids"], input_ids)
         draws = [flat["positions"][row] + 1 for row, _ in samples]   # a row draws the next token
         inputs = self.put_step(flat, key, N, S, width, batch.is_decode)
         follow_accepted_drafts(self, batch, pending, prev)   # chapter: speculative decoding
@@ -839,7 +830,8 @@ class ModelRunner:
     def _flatten(self, batch: ScheduledBatch):
         """Each sequence's new tokens in turn, as host lists, one per buffer. Also the rows that
         sample: a sequence's last, once no prompt is left (a drafting one's d + 1 last, in the
-        chapter "speculative decoding"). And the rows whose input is a pending token."""
+        chapter "speculative decoding"). And the rows whose input is a pending token (chapter:
+        async scheduling; none when off)."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
         input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = flat.values()
@@ -851,8 +843,8 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             last_row = cu_seqlens_q[-1] + n - 1
             input_ids += seq.token_ids[start:end - d]
-            if end - d > len(seq.token_ids):   # its last input is the pending token (see Sequence)
-                input_ids.append(0)                # a placeholder: _put_input_ids fills it
+            if end - d > len(seq.token_ids):   # a pending token: chapter: async scheduling
+                input_ids.append(0)                # a placeholder, filled on the device
                 pending.append((last_row - d, seq))
             input_ids += drafts
             table = seq.block_table
@@ -885,21 +877,6 @@ class ModelRunner:
         flat["context_lens"] += [0] * (S - num_seqs)
         flat["cu_seqlens_q"] += [num_tokens] * (S - num_seqs)
         return N, S, self.max_blocks_per_seq
-
-    def _put_input_ids(self, batch: ScheduledBatch, input_ids: list, pending: list,
-                       prev: Optional["LaunchedStep"]):
-        """The input ids, pending tokens copied from prev's samples on the device."""
-        ids = self.buffers["input_ids"]
-        self.finish_sample(prev)           # chapter: structured output (sampled already when off)
-        if pending and batch.is_decode and batch.seqs == prev.seqs:
-            ids[:len(batch.seqs)].copy_(prev.tokens)   # a steady decode: same rows, no host ids
-            return
-        pa.put(ids, input_ids)
-        if pending:
-            prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
-            rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
-            ids.index_copy_(0, pa.to_device(self.device, rows, torch.int64),
-                            prev.tokens[pa.to_device(self.device, src, torch.int64)])
 
     def sampling_batch(self, seqs: list, positions: list, allowed=None) -> SamplingBatch:
         """The rows' settings; positions: of the token each row draws, which seeds its noise."""
@@ -940,7 +917,7 @@ class ModelRunner:
         return LaunchedStep(batch, list(seqs), logits, inputs.sample_positions)
 
     def sample(self, step: LaunchedStep):
-        """Sample a step's rows and start their tokens' copy back (EngineCore.step says why now)."""
+        """Sample a step's rows and start their tokens' copy back, which _commit waits for."""
         # chapter: structured output (None when no row has a grammar: sample now)
         step.masks = self.grammar_masks.start_fill(step.seqs, self.device)
         if step.masks is None:
@@ -1019,7 +996,7 @@ class EngineCore:
         self.allocator = BlockAllocator(self.runner.num_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
-        self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
+        self.launched: Optional[LaunchedStep] = None   # chapter: async scheduling (None: off)
         self.committed: list = []          # the outputs step's _commit made (fail_running too)
         self.num_generated_tokens = 0                      # for /metrics
 
@@ -1043,37 +1020,15 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list:
-        """Launch the next step, read back the previous call's, then sample the new one. Sampling
-        after the read-back means that whatever reads the tokens so far to sample (a chapter's
-        penalty or grammar) sees all of them, and the host's work still hides behind the new
-        step's forward pass. Returns an EngineCoreOutput per token read back and kept (none on
-        the first call).
-
-        The pending token (see Sequence), followed through one call of step for one decoding
-        sequence, L = len(token_ids) before it:
-
-            moment in step                                 len(token_ids)  pending  computed
-            before: step N launched and sampled                  L            1         L
-            schedule: n = L + 1 - L = 1 token to compute         L            1         L
-            _launch: step N+1 launched, counted                  L            2       L + 1
-            _commit: step N's token read back, appended        L + 1          1       L + 1
-            sample: step N+1's token sampled on the device     L + 1          1       L + 1
-
-        So the count is 1 between calls, and 2 between a launch and the commit of the step before.
-        It is 0 until the prompt's last chunk is launched, and after a failed step (fail_running).
-        A sequence whose pending token is its last, by length, is not scheduled again
-        (Scheduler._ends_when_read): reading that token back ends it."""
-        prev, self.committed = self.launched, []
-        # chapter: speculative decoding (False but after drafts, on the CPU or tensor-parallel)
-        if prev is not None and self.scheduler.speculation.reads_back_first(prev):
-            self.committed, prev = self._commit(prev), None
-        try:
-            self.launched = self._launch(prev)     # step N+1, before step N is read back
-        finally:                    # even if the launch raises: fail_running passes step N's
-            if prev is not None:    # outputs on, as it does when sample raises below
-                self.committed = self._commit(prev)
-        if self.launched is not None:
-            self.runner.sample(self.launched)
+        """One step, whole: schedule and launch it, sample it on the device, then read its tokens
+        back (_commit). Returns an EngineCoreOutput per token read back and kept. A sampled token
+        is pending (num_pending_tokens) from its launch to its read-back."""
+        if self.cfg.async_scheduling:       # chapter: async scheduling (the default: launches
+            return step_one_ahead(self)     # the next step before this one is read back)
+        self.committed, launched = [], self._launch(None)
+        if launched is not None:
+            self.runner.sample(launched)
+            self.committed = self._commit(launched)
         return self.committed
 
     def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
@@ -1084,7 +1039,7 @@ class EngineCore:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n        # their K/V are on the way into the cache
         for seq in step.seqs:                   # one per row it samples
-            seq.num_pending_tokens += 1         # read back by the next step's _commit (the table)
+            seq.num_pending_tokens += 1         # until _commit reads it back
         return step
 
     def _commit(self, step: LaunchedStep) -> list:
@@ -1100,7 +1055,7 @@ class EngineCore:
         # drafts each row is kept alone, with no call per row)
         accept = self.scheduler.speculation.accept if step.batch.draft_token_ids else None
         for seq, row in rows:
-            seq.num_pending_tokens -= 1         # read: no longer pending (the table at step)
+            seq.num_pending_tokens -= 1         # read back: no longer pending
             for row in accept(seq, row, rows, step, self.launched) if accept else (row,):
                 if not seq.is_finished:         # else aborted, or ended by the step before
                     outputs.append(self._append_token(seq, *row))
@@ -1922,6 +1877,76 @@ def main(argv=None):
         sys.exit(130)
 
 # ---------------------------------------------------------------------------
+# Chapter: async scheduling (the one-ahead overlap)
+# Part one's EngineCore.step runs schedule, launch, sample and read-back in turn. So the device
+# waits while the host schedules and prepares, and the host waits while the device computes.
+# With async_scheduling (the default), step launches step N+1 before it reads step N's tokens
+# back, and the host's work hides behind the device's.
+# Then a sequence's input in step N+1 is the token it sampled in step N, which is still only in
+# device memory: its pending token. The scheduler computes it like any other, since its count
+# adds num_pending_tokens. ModelRunner._flatten leaves a placeholder in its input row, and
+# put_pending_tokens fills it from step N's samples on the device. Once the prompt is computed,
+# num_computed_tokens == len(token_ids) + num_pending_tokens - 1 between steps: every token but
+# the newest is launched.
+# One decoding sequence through one call of step_one_ahead, L = len(token_ids) before it:
+#
+#     moment in step                                 len(token_ids)  pending  computed
+#     before: step N launched and sampled                  L            1         L
+#     schedule: n = L + 1 - L = 1 token to compute         L            1         L
+#     _launch: step N+1 launched, counted                  L            2       L + 1
+#     _commit: step N's token read back, appended        L + 1          1       L + 1
+#     sample: step N+1's token sampled on the device     L + 1          1       L + 1
+#
+# So the count is 1 between calls, and 2 between a launch and the commit of the step before. It
+# is 0 until the prompt's last chunk is launched, and after a failed step (fail_running). A
+# sequence whose pending token is its last, by length, is not scheduled again (ends_when_read):
+# reading that token back ends it.
+# Sampling still comes after the read-back. So whatever reads the tokens so far to sample (a
+# penalty, a grammar) sees all of them, and the host's work hides behind step N+1's forward pass.
+# Seams: Config.async_scheduling, Scheduler.schedule (num_pending_tokens in a sequence's count)
+# and _runs_this_step (ends_when_read), ModelRunner._flatten (the placeholder) and prepare
+# (put_pending_tokens), EngineCore.step (step_one_ahead) and its `launched`.
+
+def step_one_ahead(core: EngineCore) -> list:
+    """EngineCore.step with the overlap: launch the next step, read back the previous call's, then
+    sample the new one. Returns an EngineCoreOutput per token read back and kept (none on the
+    first call)."""
+    prev, core.committed = core.launched, []
+    # chapter: speculative decoding (False but after drafts, on the CPU or tensor-parallel)
+    if prev is not None and core.scheduler.speculation.reads_back_first(prev):
+        core.committed, prev = core._commit(prev), None
+    try:
+        core.launched = core._launch(prev)     # step N+1, before step N is read back
+    finally:                    # even if the launch raises: fail_running passes step N's
+        if prev is not None:    # outputs on, as it does when sample raises below
+            core.committed = core._commit(prev)
+    if core.launched is not None:
+        core.runner.sample(core.launched)
+    return core.committed
+
+def ends_when_read(seq: Sequence, max_model_len: int) -> bool:
+    """True if seq's pending token is its last by length: no later step is worth launching."""
+    num_tokens = seq.num_tokens + seq.num_pending_tokens
+    return seq.num_pending_tokens > 0 and (
+        num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+        or num_tokens >= max_model_len)
+
+def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: list,
+                       pending: list, prev: LaunchedStep):
+    """The input ids, with each pending (row, seq) copied from prev's samples on the device: no
+    host round trip. A steady decode (the same rows as prev) takes all of prev's tokens at once."""
+    ids = runner.buffers["input_ids"]
+    runner.finish_sample(prev)         # chapter: structured output (sampled already when off)
+    if batch.is_decode and batch.seqs == prev.seqs:
+        ids[:len(batch.seqs)].copy_(prev.tokens)
+        return
+    pa.put(ids, input_ids)
+    prev_rows = {seq: i for i, seq in enumerate(prev.seqs)}
+    rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
+    ids.index_copy_(0, pa.to_device(runner.device, rows, torch.int64),
+                    prev.tokens[pa.to_device(runner.device, src, torch.int64)])
+
+# ---------------------------------------------------------------------------
 # Chapter: prefix caching
 # Many prompts begin alike: a system prompt, a chat's earlier turns, a few-shot preamble. The K/V
 # of a token depend only on it and the tokens before it. So a full block is named by a hash of
@@ -2022,7 +2047,7 @@ def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
 # runs at positions L-1..L+2 and samples [mat, ., It, cat]. Two drafts agree, so "mat . It" is
 # appended: 3 tokens for one step. num_computed_tokens went to L + 3 at launch, and back by the
 # rejected draft to L + 2, which is len(token_ids) - 1, as always.
-# The pending count (part one's table at EngineCore.step) changes with drafts. A row with d
+# The pending count (the table of chapter "async scheduling") changes with drafts. A row with d
 # drafts samples d + 1 rows, so it holds 1 + d pending tokens between its launch and its commit.
 # Sampling is exact too. A draft is kept iff the row's draw x from p equals it, which happens
 # with probability p(draft). A rejected row emits x, a draw from p without the draft,
@@ -2033,7 +2058,7 @@ def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
 # before them. No row drafts while more than SPECULATE_MAX_ROWS run, where a verify step costs
 # well over a decode (README). Drafts take only the budget and the blocks left once every row is
 # scheduled (add_drafts).
-# The one-ahead overlap is kept. Step N+1 is laid out while step N, which may have drafted, is
+# Async scheduling's overlap is kept. Step N+1 is laid out while step N, which may have drafted, is
 # still on the device. So the host knows neither the pending token nor how many drafts step N
 # keeps. Two guesses stand in:
 # - the tokens: the lookup guesses the pending tokens as it guesses drafts, and drafts after the
@@ -2044,10 +2069,11 @@ def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
 #   back by the count rejected. When step N is read back, accept rewinds the host to match.
 # On the CPU the host runs the forward pass itself, so there is nothing to hide. There a step
 # after one that drafted reads it back first, and drafts on no guess.
-# Seams: Config._check (k <= 15: a verify chunk fits the 16-token graph), Sequence (ngrams,
+# Seams: Config._check (k <= 15: a row's 1 + k rows fit the 16-wide tile of
+# pa.follow_accepted and follow_accepted_drafts' 16 columns), Sequence (ngrams,
 # guessed), ScheduledBatch.draft_token_ids, Scheduler.__init__ and schedule (add_drafts),
 # ModelRunner._flatten (the drafts follow a row's newest token, and each row samples), prepare
-# (follow_accepted_drafts), EngineCore.step (reads_back_first: on the CPU, or with tensor
+# (follow_accepted_drafts), step_one_ahead (reads_back_first: on the CPU, or with tensor
 # parallelism), EngineCore._commit (accept), engine_stats.
 
 class NgramIndex:
@@ -2094,7 +2120,8 @@ class Speculation:
                                   # device while the next step is scheduled)
         # Whether rows follow a drafting step on the device, or it is read back first (the
         # opening's last paragraph; tensor-parallel ranks lay out their own inputs, so not there)
-        self.follows_on_device = cfg.device != "cpu" and cfg.tensor_parallel_size == 1
+        self.follows_on_device = cfg.device != "cpu" and cfg.tensor_parallel_size == 1 \
+            and cfg.async_scheduling
         self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def add_drafts(self, batch: ScheduledBatch, budget: int):
@@ -2140,7 +2167,7 @@ class Speculation:
         return kept + last if last else None
 
     def reads_back_first(self, prev: LaunchedStep) -> bool:
-        """Whether EngineCore.step reads prev back before it launches the next step: after a
+        """Whether step_one_ahead reads prev back before it launches the next step: after a
         step that drafted, where rows do not follow it on the device (follows_on_device)."""
         return not self.follows_on_device and bool(prev.batch.draft_token_ids)
 
@@ -2208,7 +2235,7 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
 # tools and tool_choice into a grammar of the whole answer, and parses the text back into call
 # deltas as it grows (split_tool_calls, _ToolCallShape).
 # Seams: Sequence.matcher, SamplingParams.grammar, the sampler (mask_logits), ModelRunner's
-# GrammarMasks, sample and finish_sample, _put_input_ids (finish_sample of the step before),
+# GrammarMasks, sample and finish_sample, put_pending_tokens (finish_sample of the step before),
 # EngineCore.add_request (start_matcher), _commit (follow), _finish_reason (grammar_done),
 # ChatTemplate.render (tools as text), FrontEnd (tool_call_format, grammar), _Shape.hold, and the
 # handlers (request_grammar, chat_grammar, tool_call_shape).

@@ -320,6 +320,28 @@ def test_batched_equals_one_at_a_time(smol_llm):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_async_scheduling_off_equals_on(smol_llm):
+    """Without async scheduling each step is read back before the next is scheduled: the
+    scheduler never sees a pending token, and greedy, seeded and drafting output are as with it."""
+    seeded = ns.SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12)
+    drafting = ns.SamplingParams(temperature=0, max_tokens=24)
+    on = smol_llm.generate(SMOL_PROMPTS + SMOL_PROMPTS[:2], [GREEDY] * len(SMOL_PROMPTS)
+                           + [seeded, drafting])
+    off = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, async_scheduling=False,
+                 num_speculative_tokens=4)
+    schedule, pending = off.engine.scheduler.schedule, []
+    def recorded():
+        pending.extend(s.num_pending_tokens for s in off.engine.scheduler.running)
+        return schedule()
+    off.engine.scheduler.schedule = recorded
+    outs = off.generate(SMOL_PROMPTS + SMOL_PROMPTS[:2], [GREEDY] * len(SMOL_PROMPTS)
+                        + [seeded, drafting])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in on]
+    assert pending and not any(pending), "a pending token crossed a step"
+    assert off.engine.scheduler.speculation.num_draft_tokens > 0, "nothing drafted"
+    check_pool_is_free(off.engine)
+
+
 def test_chunked_prefill_equals_whole_prefill(smol_llm):
     whole = smol_llm.generate(SMOL_PROMPTS, GREEDY)
     # A 7-token budget splits every prompt into chunks, mixed with decodes.
