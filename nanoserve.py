@@ -961,8 +961,8 @@ class ModelRunner:
 # Engine core
 # The step loop: schedule, launch, read back, and hand each sampled token to its sequence. The
 # engine core sees token ids only. Text, stop strings and all else per request live in the front
-# end (Requests in, text out). Behind the server it runs in a process of its own; for
-# LLM.generate, in the caller's.
+# end (Requests in, text out). For LLM.generate it runs in the caller's thread; behind the server,
+# in a process of its own (chapter: the engine core process).
 
 @dataclass
 class EngineCoreRequest:
@@ -982,12 +982,6 @@ class EngineCoreOutput:
     error: str = ""                   # what failed, with finish_reason "error"
     num_cached_tokens: int = 0        # prompt tokens served by the prefix cache
     prompt_logprobs: Optional[list] = None  # with the first token, if asked
-
-@dataclass
-class EngineCoreOutputs:
-    """What one turn of the engine core's loop sends back: a step's outputs, or none."""
-    outputs: list                     # EngineCoreOutput: one per token kept, one per failure
-    stats: dict                       # engine_stats after the step (for /metrics)
 
 class EngineCore:
     def __init__(self, cfg: Config):
@@ -1358,171 +1352,15 @@ class LLM:
         stop_workers(self.engine.runner.workers)            # chapter: tensor parallelism
 
 # ---------------------------------------------------------------------------
-# Engine core process
-# Behind the server, the engine core runs in the main thread of a process of its own. So no
-# per-request Python work (JSON, SSE, detokenizing) competes with its step loop for the GIL. Two
-# pipes join the processes. Into the engine core go lists of EngineCoreRequest and EngineCoreAbort.
-# Out of it come its stats once it is ready (or why it failed), then one EngineCoreOutputs per
-# turn of its loop. Closing the inbox stops it.
-
-@dataclass
-class EngineCoreAbort:
-    """Stop this request (its client left, or a stop string ended it)."""
-    request_id: str
-
-def run_engine_core(cfg: Config, inbox, outbox, setup=None):
-    """The engine core process's main thread. It owns the scheduler, the BlockAllocator, the
-    ModelRunner and the device, and steps while work is queued. `setup(core)` runs first if given
-    (tests inject faults)."""
-    follow_parent(outbox)          # chapter: faults (Ctrl-C is the server's; its death ends us)
-    faulthandler.enable()                          # a crash in native code leaves a trace
-    try:
-        core = EngineCore(cfg)
-        exit_on_worker_death(core.runner.workers)       # chapter: tensor parallelism
-        if setup is not None:
-            setup(core)
-    except Exception as e:
-        outbox.send(f"the engine core failed to start: {e}")
-        return
-    # The outputs go out through one worker thread, in order: the step loop never waits on the
-    # server (with both pipes full, the two processes would wait on each other).
-    # (engine_stats, here and below: chapter: the rest of the OpenAI API)
-    sender = ThreadPoolExecutor(max_workers=1)
-    sender.submit(outbox.send, EngineCoreOutputs([], engine_stats(core)))   # ready; no server: safe
-    while True:
-        try:   # block only when idle; while sequences run, take what has arrived
-            messages = [] if core.has_unfinished() else [inbox.recv()]
-            while inbox.poll():
-                messages.append(inbox.recv())
-        except (EOFError, OSError):           # the server closed its end, or is gone
-            return
-        outputs = []
-        for item in (item for message in messages for item in message):   # in the order sent
-            if isinstance(item, EngineCoreAbort):
-                core.abort_request(item.request_id)
-                continue
-            try:
-                core.add_request(item)
-            except Exception as e:            # fails only this request
-                traceback.print_exc()
-                outputs.append(EngineCoreOutput(item.request_id, None, finish_reason="error",
-                                                error=f"add_request failed: {e!r}"))
-        if core.has_unfinished():
-            try:
-                outputs += core.step()
-            except Exception as e:            # fails the running requests, not the process
-                traceback.print_exc()
-                outputs += fail_running(core, e)            # chapter: faults
-                exit_on_failed_step(core.runner.workers)      # chapter: tensor parallelism
-        sender.submit(outbox.send, EngineCoreOutputs(outputs, engine_stats(core))) # gone: EOF above
-
-# -- the server's end of the pipes: EngineCoreClient, on the event loop --
-class EngineCoreClient:
-    """Starts the engine core process, sends it requests and aborts (_send_all), hands its outputs
-    back to each request's queue (receive, _deliver: a slow loop gets several steps' tokens at
-    once). It knows no HTTP: a failed request ends with finish_reason "error"."""
-    def __init__(self, cfg: Config, setup=None):
-        ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
-        inbox_end, self.inbox = ctx.Pipe(duplex=False)     # server -> engine core
-        self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
-        self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
-                                   args=(cfg, inbox_end, outbox_end, setup), daemon=True)
-        with child_stopped_on_error(self.process, self.outbox):   # chapter: faults (Ctrl-C)
-            with sigint_held():                # chapter: faults (Ctrl-C is the server's)
-                self.process.start()
-            inbox_end.close()                  # the child's ends, closed here: a dead child
-            outbox_end.close()                 # then reads as EOF
-            try:
-                ready = self.outbox.recv()    # stats once loaded, or why it failed
-            except EOFError:
-                self.process.join(5)
-                ready = f"the engine core exited with code {self.process.exitcode}"
-        if isinstance(ready, str):
-            raise ValueError(ready)
-        self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
-        self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
-        self.outgoing = queue.SimpleQueue()   # to _send_all: lists of requests or aborts, or None
-        threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True).start()
-        self.metrics = ServerMetrics(self)        # chapter: the rest of the OpenAI API (/metrics)
-
-    def shutdown(self):
-        self.outgoing.put(None)                # after the sends queued before: EOF over there
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-
-    async def generate(self, requests: list):
-        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
-        RequestState at each change until all finish. However the caller stops (done, client
-        gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
-        changed = asyncio.Queue()                         # RequestStates of this request's choices
-        requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
-        unfinished = {r.request_id for r in requests}
-        for request_id in unfinished:
-            self.front.states[request_id].queue = changed
-        try:
-            if self.error:                          # died since the handler checked
-                fail_all(self)                      # chapter: faults
-            self.outgoing.put(requests)             # a dead process: receive says so
-            while unfinished:
-                state = await changed.get()
-                if state.request_id in unfinished:  # else a late repeat of a finished one
-                    if state.finish_reason is not None:
-                        unfinished.discard(state.request_id)
-                    yield state
-        finally:
-            for request_id in unfinished:
-                self.front.states.pop(request_id, None)
-            self._abort(list(unfinished))
-
-    def _abort(self, request_ids: list):
-        if request_ids and not self.error:
-            self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
-
-    def _send_all(self):
-        """The sending thread, so that the event loop never blocks on a pipe full mid-step. Each
-        message takes all that waits, in order: one message per request, at a burst, would queue
-        each behind the last for the GIL, which the busy event loop holds."""
-        items = []
-        with contextlib.suppress(OSError):     # the engine core is gone: receive says so
-            while None not in items:           # None: shut down, after all queued before it
-                items = [self.outgoing.get()]
-                while not self.outgoing.empty():
-                    items.append(self.outgoing.get())
-                self.inbox.send([x for item in items if item is not None for x in item])
-        self.inbox.close()
-
-    def receive(self, loop: asyncio.AbstractEventLoop):
-        """The receiving thread, started with the event loop. It blocks on the pipe without the
-        GIL, and hands `loop` all that has arrived in one call. (A reader on the loop would need
-        the pipe non-blocking, as uvloop makes it, and would get messages in pieces.)"""
-        with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
-            try:
-                while True:
-                    messages = [self.outbox.recv()]
-                    while self.outbox.poll():
-                        messages.append(self.outbox.recv())
-                    loop.call_soon_threadsafe(self._deliver, messages)
-            except (EOFError, OSError):
-                loop.call_soon_threadsafe(engine_died, self)   # chapter: faults
-
-    def _deliver(self, messages: list):
-        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
-        self.stats = messages[-1].stats
-        states, stopped = self.front.process([o for m in messages for o in m.outputs])
-        self._abort(stopped)
-        now = time.perf_counter()                          # one clock reading for the whole batch
-        for state in states:
-            self.metrics.observe(state, now)      # chapter: the rest of the OpenAI API (/metrics)
-            state.queue.put_nowait(state)
-
-# ---------------------------------------------------------------------------
 # Server
 # An OpenAI-compatible HTTP API on Starlette, in the server process, read in the order a request
 # takes. Its handler (OpenAIServer.completions or .chat) reads the body's fields and tokenizes in a
-# thread. _respond hands EngineCoreClient.generate's states to the endpoint's response shape
-# (_Shape). The shape's chunks go out as SSE events (_EventStream runs _Shape.stream, and turns a
-# client that leaves into an abort), or fold into one body (_Shape.body).
+# thread. The engine core runs in a process of its own, reached through an EngineCoreClient
+# (chapter: the engine core process). Its generate(choices) sends a request's choices there, and
+# yields a choice's RequestState each time it changes; closing it early aborts what still runs.
+# _respond hands those states to the endpoint's response shape (_Shape). The shape's chunks go out
+# as SSE events (_EventStream runs _Shape.stream, and turns a client that leaves into an abort),
+# or fold into one body (_Shape.body).
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1945,6 +1783,182 @@ def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: li
     rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
     ids.index_copy_(0, pa.to_device(runner.device, rows, torch.int64),
                     prev.tokens[pa.to_device(runner.device, src, torch.int64)])
+
+# ---------------------------------------------------------------------------
+# Chapter: the engine core process
+# Behind the server, the engine core runs in the main thread of a process of its own. So no
+# per-request Python work (JSON, SSE, detokenizing) competes with its step loop for the GIL.
+# LLM.generate needs none of this: its engine core runs in the caller's thread. Who runs where:
+#
+#     process      thread                  runs
+#     server       main (the event loop)   the handlers and response shapes (Server), and
+#                                          _deliver: FrontEnd.process, each request's queue
+#     server       engine-core-inputs      _send_all: requests and aborts into the inbox pipe
+#     server       engine-core-outputs     receive: the outbox pipe, handed to the event loop
+#     engine core  main                    run_engine_core: the step loop, which owns the device
+#     engine core  one sender              the outputs into the outbox pipe
+#
+# Two pipes join the processes. Into the engine core go lists of EngineCoreRequest and
+# EngineCoreAbort. Out of it come its stats once it is ready (or why it failed), then one
+# EngineCoreOutputs per turn of its loop. Closing the inbox stops it.
+# Seams: OpenAIServer (its client), build_app (the receiving thread), serve (EngineCoreClient).
+
+@dataclass
+class EngineCoreOutputs:
+    """What one turn of the engine core's loop sends back: a step's outputs, or none."""
+    outputs: list                     # EngineCoreOutput: one per token kept, one per failure
+    stats: dict                       # engine_stats after the step (for /metrics)
+
+@dataclass
+class EngineCoreAbort:
+    """Stop this request (its client left, or a stop string ended it)."""
+    request_id: str
+
+def run_engine_core(cfg: Config, inbox, outbox, setup=None):
+    """The engine core process's main thread. It owns the scheduler, the BlockAllocator, the
+    ModelRunner and the device, and steps while work is queued. `setup(core)` runs first if given
+    (tests inject faults)."""
+    follow_parent(outbox)          # chapter: faults (Ctrl-C is the server's; its death ends us)
+    faulthandler.enable()                          # a crash in native code leaves a trace
+    try:
+        core = EngineCore(cfg)
+        exit_on_worker_death(core.runner.workers)       # chapter: tensor parallelism
+        if setup is not None:
+            setup(core)
+    except Exception as e:
+        outbox.send(f"the engine core failed to start: {e}")
+        return
+    # The outputs go out through one worker thread, in order: the step loop never waits on the
+    # server (with both pipes full, the two processes would wait on each other).
+    # (engine_stats, here and below: chapter: the rest of the OpenAI API)
+    sender = ThreadPoolExecutor(max_workers=1)
+    sender.submit(outbox.send, EngineCoreOutputs([], engine_stats(core)))   # ready; no server: safe
+    while True:
+        try:   # block only when idle; while sequences run, take what has arrived
+            messages = [] if core.has_unfinished() else [inbox.recv()]
+            while inbox.poll():
+                messages.append(inbox.recv())
+        except (EOFError, OSError):           # the server closed its end, or is gone
+            return
+        outputs = []
+        for item in (item for message in messages for item in message):   # in the order sent
+            if isinstance(item, EngineCoreAbort):
+                core.abort_request(item.request_id)
+                continue
+            try:
+                core.add_request(item)
+            except Exception as e:            # fails only this request
+                traceback.print_exc()
+                outputs.append(EngineCoreOutput(item.request_id, None, finish_reason="error",
+                                                error=f"add_request failed: {e!r}"))
+        if core.has_unfinished():
+            try:
+                outputs += core.step()
+            except Exception as e:            # fails the running requests, not the process
+                traceback.print_exc()
+                outputs += fail_running(core, e)            # chapter: faults
+                exit_on_failed_step(core.runner.workers)      # chapter: tensor parallelism
+        sender.submit(outbox.send, EngineCoreOutputs(outputs, engine_stats(core))) # gone: EOF above
+
+# -- the server's end of the pipes: EngineCoreClient, on the event loop --
+class EngineCoreClient:
+    """Starts the engine core process, sends it requests and aborts (_send_all), hands its outputs
+    back to each request's queue (receive, _deliver: a slow loop gets several steps' tokens at
+    once). It knows no HTTP: a failed request ends with finish_reason "error"."""
+    def __init__(self, cfg: Config, setup=None):
+        ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
+        inbox_end, self.inbox = ctx.Pipe(duplex=False)     # server -> engine core
+        self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
+        self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
+                                   args=(cfg, inbox_end, outbox_end, setup), daemon=True)
+        with child_stopped_on_error(self.process, self.outbox):   # chapter: faults (Ctrl-C)
+            with sigint_held():                # chapter: faults (Ctrl-C is the server's)
+                self.process.start()
+            inbox_end.close()                  # the child's ends, closed here: a dead child
+            outbox_end.close()                 # then reads as EOF
+            try:
+                ready = self.outbox.recv()    # stats once loaded, or why it failed
+            except EOFError:
+                self.process.join(5)
+                ready = f"the engine core exited with code {self.process.exitcode}"
+        if isinstance(ready, str):
+            raise ValueError(ready)
+        self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
+        self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
+        self.outgoing = queue.SimpleQueue()   # to _send_all: lists of requests or aborts, or None
+        threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True).start()
+        self.metrics = ServerMetrics(self)        # chapter: the rest of the OpenAI API (/metrics)
+
+    def shutdown(self):
+        self.outgoing.put(None)                # after the sends queued before: EOF over there
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+
+    async def generate(self, requests: list):
+        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
+        RequestState at each change until all finish. However the caller stops (done, client
+        gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
+        changed = asyncio.Queue()                         # RequestStates of this request's choices
+        requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
+        unfinished = {r.request_id for r in requests}
+        for request_id in unfinished:
+            self.front.states[request_id].queue = changed
+        try:
+            if self.error:                          # died since the handler checked
+                fail_all(self)                      # chapter: faults
+            self.outgoing.put(requests)             # a dead process: receive says so
+            while unfinished:
+                state = await changed.get()
+                if state.request_id in unfinished:  # else a late repeat of a finished one
+                    if state.finish_reason is not None:
+                        unfinished.discard(state.request_id)
+                    yield state
+        finally:
+            for request_id in unfinished:
+                self.front.states.pop(request_id, None)
+            self._abort(list(unfinished))
+
+    def _abort(self, request_ids: list):
+        if request_ids and not self.error:
+            self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
+
+    def _send_all(self):
+        """The sending thread, so that the event loop never blocks on a pipe full mid-step. Each
+        message takes all that waits, in order: one message per request, at a burst, would queue
+        each behind the last for the GIL, which the busy event loop holds."""
+        items = []
+        with contextlib.suppress(OSError):     # the engine core is gone: receive says so
+            while None not in items:           # None: shut down, after all queued before it
+                items = [self.outgoing.get()]
+                while not self.outgoing.empty():
+                    items.append(self.outgoing.get())
+                self.inbox.send([x for item in items if item is not None for x in item])
+        self.inbox.close()
+
+    def receive(self, loop: asyncio.AbstractEventLoop):
+        """The receiving thread, started with the event loop. It blocks on the pipe without the
+        GIL, and hands `loop` all that has arrived in one call. (A reader on the loop would need
+        the pipe non-blocking, as uvloop makes it, and would get messages in pieces.)"""
+        with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
+            try:
+                while True:
+                    messages = [self.outbox.recv()]
+                    while self.outbox.poll():
+                        messages.append(self.outbox.recv())
+                    loop.call_soon_threadsafe(self._deliver, messages)
+            except (EOFError, OSError):
+                loop.call_soon_threadsafe(engine_died, self)   # chapter: faults
+
+    def _deliver(self, messages: list):
+        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
+        self.stats = messages[-1].stats
+        states, stopped = self.front.process([o for m in messages for o in m.outputs])
+        self._abort(stopped)
+        now = time.perf_counter()                          # one clock reading for the whole batch
+        for state in states:
+            self.metrics.observe(state, now)      # chapter: the rest of the OpenAI API (/metrics)
+            state.queue.put_nowait(state)
 
 # ---------------------------------------------------------------------------
 # Chapter: prefix caching
