@@ -383,7 +383,8 @@ class DecoderLayer(nn.Module):
 # Model
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
 # every token. compute_logits() applies the final norm and the LM head, through pa.linear, only to
-# the rows that sample: each sequence's last token.
+# the rows that sample: each sequence's last token, once its prompt is computed. (Two chapters
+# sample more rows: a drafting row's d + 1, and a prompt's rows for its log-probs.)
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -546,7 +547,8 @@ class BlockAllocator:
 # Scheduler
 # Every step the scheduler decides which sequences run and how many of their tokens. Running
 # sequences go first. Skipping a decode would stall its stream for a whole step, and would save
-# only one token of the budget. An unfinished prefill takes a chunk of the budget. Waiting
+# only one token of the budget (the chapter "the burst rule" makes the one exception). An
+# unfinished prefill takes a chunk of the budget. Waiting
 # sequences come next, in arrival order; a preempted one is first in line. They are admitted
 # while the budget, the seats (max_num_seqs) and the free blocks last.
 # When the pool runs dry, the latest admitted sequence is preempted: freed, and recomputed later.
@@ -679,11 +681,16 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. On CUDA with the Triton
-# attention, each step replays a CUDA graph. A graph holds every kernel launch of one forward
+# attention, each step replays a CUDA graph (unless --enforce-eager, or the step is larger than
+# every captured size: then it runs eagerly). A graph holds every kernel launch of one forward
 # pass, recorded once (capture) and replayed in one launch, where 200 launches from Python would
 # leave the GPU idle. A replay reads and writes the addresses it recorded. So each step copies
 # its inputs into static buffers (self.buffers), and every graph's activations share one memory
 # pool. A step pads its batch to the next captured size (_pad says why that is harmless).
+# Three CUDA words. Pinned memory is host memory the GPU can copy from directly. A non_blocking
+# copy from it is queued on the stream, and the host goes on at once. A CUDA event, recorded on
+# the stream, marks a point in its queue; event.synchronize() waits for that point alone.
+# On a first read, _profile_peak_bytes and capture_cuda_graphs can be skimmed.
 
 @dataclass
 class StepInputs:
@@ -770,6 +777,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def _profile_peak_bytes(self) -> int:
+        """The activations' peak memory, measured by running the largest step once on a dummy
+        batch of max_num_batched_tokens tokens, plus room for the sampler's sort."""
         cfg, n, L = self.cfg, self.cfg.max_num_batched_tokens, self.cfg.max_model_len
         seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
         blocks = iter(range(n // cfg.block_size + len(seqs)))     # enough for every sequence
@@ -1736,9 +1745,10 @@ def main(argv=None):
 #     sample: step N+1's token sampled on the device     L + 1          1       L + 1
 #
 # So the count is 1 between calls, and 2 between a launch and the commit of the step before. It
-# is 0 until the prompt's last chunk is launched, and after a failed step (fail_running). A
-# sequence whose pending token is its last, by length, is not scheduled again (ends_when_read):
-# reading that token back ends it.
+# is 0 between calls until the prompt's last chunk is launched, after a failed step
+# (fail_running), and after a step the sequence sat out (a decode the burst rule held back, one
+# preempted). A sequence whose pending token is its last, by length, is not scheduled again
+# (ends_when_read): reading that token back ends it.
 # Sampling still comes after the read-back. So whatever reads the tokens so far to sample (a
 # penalty, a grammar) sees all of them, and the host's work hides behind step N+1's forward pass.
 # Seams: Config.async_scheduling, Scheduler.schedule (num_pending_tokens in a sequence's count)
