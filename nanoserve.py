@@ -680,21 +680,18 @@ class Scheduler:
 
 # ---------------------------------------------------------------------------
 # Model runner
-# Turns a scheduled batch into flat tensors, runs the model and samples. On CUDA with the Triton
-# attention, each step replays a CUDA graph (unless --enforce-eager, or the step is larger than
-# every captured size: then it runs eagerly). A graph holds every kernel launch of one forward
-# pass, recorded once (capture) and replayed in one launch, where 200 launches from Python would
-# leave the GPU idle. A replay reads and writes the addresses it recorded. So each step copies
-# its inputs into static buffers (self.buffers), and every graph's activations share one memory
-# pool. A step pads its batch to the next captured size (_pad says why that is harmless).
+# Turns a scheduled batch into flat tensors, runs the model and samples. Each step copies its
+# inputs into static buffers (self.buffers), allocated once at their largest. On the GPU a step's
+# forward pass is then replayed as one CUDA graph, which reads the addresses it recorded (chapter:
+# CUDA graphs); without one it runs eagerly, on the same buffers.
 # Three CUDA words. Pinned memory is host memory the GPU can copy from directly. A non_blocking
 # copy from it is queued on the stream, and the host goes on at once. A CUDA event, recorded on
 # the stream, marks a point in its queue; event.synchronize() waits for that point alone.
-# On a first read, _profile_peak_bytes and capture_cuda_graphs can be skimmed.
 
 @dataclass
 class StepInputs:
-    """A batch flattened into the buffers (prepare), padded to a graph's size if one replays it."""
+    """A batch flattened into the buffers (prepare), padded to a graph's size if one replays it
+    (chapter: CUDA graphs)."""
     input_ids: torch.Tensor           # (N_tok,) int64
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
@@ -739,12 +736,10 @@ class ModelRunner:
             self.grammar_masks = GrammarMasks(                 # chapter: structured output
                 str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
                 self.use_cuda)
-            self.graphs: dict[tuple, tuple] = {}   # (is_decode, size) -> (CUDAGraph, its output)
-            self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind, ascending
+            self.graphs: dict[tuple, tuple] = {}   # chapter: CUDA graphs (none: eager steps)
+            self.graph_sizes = {True: [], False: []}   # (the captured sizes of each kind)
             self.num_blocks = self.allocate_kv_cache()
-            # Triton only: the torch attention reads lengths on the host, which no graph captures.
-            if self.use_cuda and not cfg.enforce_eager and cfg.attention == "triton":
-                self.capture_cuda_graphs()
+            capture_cuda_graphs(self)                           # chapter: CUDA graphs
 
     # -- KV pool --
     def _bind_kv_cache(self, num_blocks: int):
@@ -761,9 +756,8 @@ class ModelRunner:
         if cfg.num_blocks:
             num_blocks = cfg.num_blocks
         elif self.use_cuda:
-            # Run the largest step once to learn the activations' peak; the KV pool gets the rest
-            # of the allowed fraction. The graphs' shared pool holds the same activations, no more.
-            peak = self._profile_peak_bytes()
+            # The KV pool gets what the activations' peak leaves of the allowed fraction.
+            peak = profile_peak_bytes(self)                   # chapter: CUDA graphs
             total = torch.cuda.get_device_properties(self.device).total_memory
             num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
         else:
@@ -775,31 +769,11 @@ class ModelRunner:
         self._bind_kv_cache(num_blocks)
         return num_blocks
 
-    @torch.no_grad()
-    def _profile_peak_bytes(self) -> int:
-        """The activations' peak memory, measured by running the largest step once on a dummy
-        batch of max_num_batched_tokens tokens, plus room for the sampler's sort."""
-        cfg, n, L = self.cfg, self.cfg.max_num_batched_tokens, self.cfg.max_model_len
-        seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
-        blocks = iter(range(n // cfg.block_size + len(seqs)))     # enough for every sequence
-        for seq in seqs:
-            seq.block_table = [next(blocks) for _ in range(-(-seq.num_tokens // cfg.block_size))]
-        self._bind_kv_cache(n // cfg.block_size + len(seqs))
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.sample(self.launch(ScheduledBatch(seqs, [seq.num_tokens for seq in seqs])))
-        torch.cuda.synchronize(self.device)
-        # the sampler's peak grows with the batch: allow a full-vocab sort per row
-        sampler_bytes = 4 * cfg.max_num_seqs * cfg.vocab_size * 4
-        peak = torch.cuda.max_memory_allocated(self.device) + sampler_bytes
-        self._bind_kv_cache(0)
-        torch.cuda.empty_cache()
-        return peak
-
     # -- inputs --
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
-        """The step's inputs in the static buffers, in two parts: flatten the batch (_flatten), then
-        pad it to the size of the graph that replays it (_pad). A worked step, block_size 16, a
-        budget of 41 tokens: B (71 tokens, blocks [2, 5, 8, 6, 1]) decodes position 70; A (a
+        """The step's inputs in the static buffers: the batch flattened (_flatten), then padded to
+        the size of the graph that replays it, if one does (pad_for_graph). A worked step,
+        block_size 16, a budget of 41 tokens: B (71 tokens, blocks [2, 5, 8, 6, 1]) decodes position 70; A (a
         100-token prompt, 16 cached, blocks [7, 3, 9, 4]) takes the 40 left (positions 16-55).
         _flatten:
             input_ids     B's token 70, then A's tokens 16..55
@@ -809,13 +783,12 @@ class ModelRunner:
             cu_seqlens_q  [0, 1, 41]: B owns row 0, A rows 1-40
             block_tables  [[2, 5, 8, 6, 1], [7, 3, 9, 4, 0]]: as wide as the longest, 0-padded
         Only row 0 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 40
-        would too). 41 tokens with a prompt among them replay the 48-token graph: _pad adds seven
-        -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41. The host's block_tables keep
-        their width of 5; the kernels see the graph's full width (_pad's contract)."""
+        would too)."""
         flat, samples, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
-        key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: run eagerly
-        N, S, width = self._pad(flat, key, num_tokens, len(batch.seqs))   # what the kernels see
+        # chapter: CUDA graphs (key None: no graph replays the step, and nothing is padded)
+        key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)
+        N, S, width = pad_for_graph(self, flat, key, num_tokens, len(batch.seqs))   # kernels' sizes
         if pending:         # chapter: async scheduling (no row has a pending token when off)
             put_pending_tokens(self, batch, input_ids, pending, prev)
         else:
@@ -868,25 +841,6 @@ class ModelRunner:
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
         return flat, samples, pending
 
-    def _pad(self, flat: dict, key: Optional[tuple], num_tokens: int, num_seqs: int) -> tuple:
-        """Pad to the graph's N rows and S sequences; return them and the table width the kernels
-        see (none padded without a graph). The contract: each padded value, and why it is harmless:
-          slot_mapping  -1 for rows past the real tokens: rope_store writes no slot
-          context_lens  0 for sequences past the real ones: attention reads no key
-          cu_seqlens_q  the real token count for them: they own no query rows
-          block_tables  the graph's full width; ids past a row's own blocks are stale
-                        and never read (the kernels stop at its context_len)
-          input_ids, positions   stale in padding rows: computed, never stored, and
-                        their outputs are dropped (hidden[:num_tokens] in launch)"""
-        if key is None:
-            return num_tokens, num_seqs, flat["block_tables"].shape[1]
-        N = key[1]
-        S = N if key[0] else min(N, self.cfg.max_num_seqs)   # decode: one sequence per row
-        flat["slot_mapping"] += [-1] * (N - num_tokens)
-        flat["context_lens"] += [0] * (S - num_seqs)
-        flat["cu_seqlens_q"] += [num_tokens] * (S - num_seqs)
-        return N, S, self.max_blocks_per_seq
-
     def sampling_batch(self, seqs: list, positions: list, allowed=None) -> SamplingBatch:
         """The rows' settings; positions: of the token each row draws, which seeds its noise."""
         params, V = [s.params for s in seqs], self.cfg.vocab_size
@@ -910,7 +864,7 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, prev: Optional[LaunchedStep] = None) -> LaunchedStep:
         """Queue one step on the device."""
         inputs = self.prepare(batch, prev)
-        if inputs.graph is not None:
+        if inputs.graph is not None:           # chapter: CUDA graphs
             graph, hidden = inputs.graph
             graph.replay()                 # every kernel of the forward pass, one launch
         else:
@@ -943,28 +897,6 @@ class ModelRunner:
             step.host = [t.to("cpu", non_blocking=True) for t in step.host]  # into pinned memory
             step.copied = torch.cuda.Event()
             step.copied.record()                           # on the stream, after the copies
-
-    # -- CUDA graphs: a decode step's size is its batch size, a prompt step's its token count --
-    @torch.no_grad()
-    def capture_cuda_graphs(self):
-        self.graph_sizes = pa.cuda_graph_sizes(self.cfg.max_num_seqs,
-                                               self.cfg.max_num_batched_tokens)
-        keys = sorted(((kind, n) for kind in (True, False) for n in self.graph_sizes[kind]),
-                      key=lambda key: -key[1])   # largest first: the others reuse its memory
-        pool = None                            # one memory pool, shared by every graph
-        for key in keys:
-            # A step of no tokens, all padding (_pad): the captures write and read nothing.
-            flat = dict(slot_mapping=[], context_lens=[], cu_seqlens_q=[0])
-            args = self.put_step(flat, key, *self._pad(flat, key, 0, 0), key[0])
-            self.model(*args)                   # warm-up: compiles this size's kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(*args)
-            pool = graph.pool()
-            self.graphs[key] = (graph, hidden)
-            _progress(f"captured CUDA graphs {len(self.graphs)}/{len(keys)}")
-        _progress(f"captured {len(keys)} CUDA graphs", end=True)
-        torch.cuda.empty_cache()               # the warm-ups' memory: graphs use their pool
 
 # ---------------------------------------------------------------------------
 # Engine core
@@ -1793,6 +1725,90 @@ def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: li
     rows, src = zip(*[(row, prev_rows[seq]) for row, seq in pending])
     ids.index_copy_(0, pa.to_device(runner.device, rows, torch.int64),
                     prev.tokens[pa.to_device(runner.device, src, torch.int64)])
+
+# ---------------------------------------------------------------------------
+# Chapter: CUDA graphs
+# On CUDA with the Triton attention, each step replays a CUDA graph (unless --enforce-eager, or
+# the step is larger than every captured size: then it runs eagerly). A graph holds every kernel
+# launch of one forward pass, recorded once (capture) and replayed in one launch, where 200
+# launches from Python would leave the GPU idle. A replay reads and writes the addresses it
+# recorded: the static buffers, and one memory pool that every graph's activations share. A
+# decode step's size is its batch size, a prompt step's its token count. A step pads its batch
+# to the next captured size (pa.cuda_graph_sizes, pa.graph_key); pad_for_graph says why the
+# padding is harmless. In prepare's worked step, 41 tokens with a prompt among them replay the
+# 48-token graph: pad_for_graph adds seven -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of
+# 41. The host's block_tables keep their width of 5; the kernels see the graph's full width.
+# Also here, since it measures what the graphs' pool holds: the activations' peak memory, which
+# sizes the KV pool on the GPU (profile_peak_bytes).
+# Seams: ModelRunner.__init__ (capture_cuda_graphs), allocate_kv_cache (profile_peak_bytes),
+# prepare (pad_for_graph), launch (the replay); the tensor-parallel workers replay rank 0's.
+
+def pad_for_graph(runner: ModelRunner, flat: dict, key: Optional[tuple], num_tokens: int,
+                  num_seqs: int) -> tuple:
+    """Pad flat to graph key's N rows and S sequences; return them and the block-table width the
+    kernels see (nothing padded without a graph). The contract: each padded value, and why it is
+    harmless:
+      slot_mapping  -1 for rows past the real tokens: rope_store writes no slot
+      context_lens  0 for sequences past the real ones: attention reads no key
+      cu_seqlens_q  the real token count for them: they own no query rows
+      block_tables  the graph's full width; ids past a row's own blocks are stale
+                    and never read (the kernels stop at its context_len)
+      input_ids, positions   stale in padding rows: computed, never stored, and
+                    their outputs are dropped (hidden[:num_tokens] in launch)"""
+    if key is None:
+        return num_tokens, num_seqs, flat["block_tables"].shape[1]
+    N = key[1]
+    S = N if key[0] else min(N, runner.cfg.max_num_seqs)   # decode: one sequence per row
+    flat["slot_mapping"] += [-1] * (N - num_tokens)
+    flat["context_lens"] += [0] * (S - num_seqs)
+    flat["cu_seqlens_q"] += [num_tokens] * (S - num_seqs)
+    return N, S, runner.max_blocks_per_seq
+
+@torch.no_grad()
+def capture_cuda_graphs(runner: ModelRunner):
+    """Capture a graph of each size, where graphs run: on CUDA with the Triton attention (the torch
+    attention reads lengths on the host, which no graph captures), unless --enforce-eager."""
+    cfg = runner.cfg
+    if not runner.use_cuda or cfg.enforce_eager or cfg.attention != "triton":
+        return
+    runner.graph_sizes = pa.cuda_graph_sizes(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    keys = sorted(((kind, n) for kind in (True, False) for n in runner.graph_sizes[kind]),
+                  key=lambda key: -key[1])   # largest first: the others reuse its memory
+    pool = None                            # one memory pool, shared by every graph
+    for key in keys:
+        # A step of no tokens, all padding (pad_for_graph): the captures write and read nothing.
+        flat = dict(slot_mapping=[], context_lens=[], cu_seqlens_q=[0])
+        args = runner.put_step(flat, key, *pad_for_graph(runner, flat, key, 0, 0), key[0])
+        runner.model(*args)                 # warm-up: compiles this size's kernels
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = runner.model(*args)
+        pool = graph.pool()
+        runner.graphs[key] = (graph, hidden)
+        _progress(f"captured CUDA graphs {len(runner.graphs)}/{len(keys)}")
+    _progress(f"captured {len(keys)} CUDA graphs", end=True)
+    torch.cuda.empty_cache()               # the warm-ups' memory: graphs use their pool
+
+@torch.no_grad()
+def profile_peak_bytes(runner: ModelRunner) -> int:
+    """The activations' peak memory, measured by running the largest step once on a dummy batch
+    of max_num_batched_tokens tokens, plus room for the sampler's sort. The graphs' shared pool
+    later holds the same activations, no more."""
+    cfg, n, L = runner.cfg, runner.cfg.max_num_batched_tokens, runner.cfg.max_model_len
+    seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
+    blocks = iter(range(n // cfg.block_size + len(seqs)))     # enough for every sequence
+    for seq in seqs:
+        seq.block_table = [next(blocks) for _ in range(-(-seq.num_tokens // cfg.block_size))]
+    runner._bind_kv_cache(n // cfg.block_size + len(seqs))
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    runner.sample(runner.launch(ScheduledBatch(seqs, [seq.num_tokens for seq in seqs])))
+    torch.cuda.synchronize(runner.device)
+    # the sampler's peak grows with the batch: allow a full-vocab sort per row
+    sampler_bytes = 4 * cfg.max_num_seqs * cfg.vocab_size * 4
+    peak = torch.cuda.max_memory_allocated(runner.device) + sampler_bytes
+    runner._bind_kv_cache(0)
+    torch.cuda.empty_cache()
+    return peak
 
 # ---------------------------------------------------------------------------
 # Chapter: the engine core process
