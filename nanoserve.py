@@ -423,7 +423,7 @@ def build_model(cfg: Config) -> Model:
 # step's contract is a torch function in paged_attention.py's first section). Each row carries
 # its own settings, so one request's choices never change another's. A seeded row draws its noise
 # from its own generator, seeded anew for each token by the request's seed and the token's
-# position. So a draw depends on nothing else: not the batch, nor which steps ran before. No
+# position (ModelRunner.sampling_batch hashes the two). So a draw depends on nothing else: not the batch, nor which steps ran before. No
 # step waits for the host (no sync). Two chapters edit the logits before the draw (logit_bias
 # and penalties; grammar masks), and one reads them after (log-probs).
 
@@ -600,7 +600,8 @@ class Scheduler:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
         self.num_steps += 1
-        decodes_wait = decodes_wait_at_burst(self, budget)    # chapter: the burst rule
+        # chapter: the burst rule (True: decodes sit this step out for prompts; False when off)
+        decodes_wait = decodes_wait_at_burst(self, budget)
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
             if budget == 0:
@@ -617,7 +618,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and self.num_preemptions == num_preemptions_before:
             seq = self.waiting[0]
-            reuse_cached_prefix(self, seq)                    # chapter: prefix caching
+            # chapter: prefix caching (its block_table starts with cached blocks, counted as
+            reuse_cached_prefix(self, seq)     # computed; nothing when off)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._num_blocks_needed(seq, n) > self.allocator.num_free_blocks:
                 self._free_blocks(seq)         # give back the shared prefix; retry later
@@ -1301,7 +1303,19 @@ class LLM:
 # yields a choice's RequestState each time it changes; closing it early aborts what still runs.
 # _respond hands those states to the endpoint's response shape (_Shape). The shape's chunks go out
 # as SSE events (_EventStream runs _Shape.stream, and turns a client that leaves into an abort),
-# or fold into one body (_Shape.body).
+# or fold into one body (_Shape.body). On a first read, _EventStream and _fold can be taken by
+# their docstrings. What a client sees of a chat request with "stream": true, an SSE event a line
+# (id, created and model left out):
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
+#            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
+#            "delta": {"content": "Paris"}, "finish_reason": null}]}
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {},
+#            "finish_reason": "stop"}]}
+#     data: [DONE]
+# Without "stream", the same chunks fold into one body: {"object": "chat.completion", "choices":
+# [{"index": 0, "message": {"role": "assistant", "content": "Paris"}, "finish_reason": "stop"}],
+# "usage": {...}}. A completions request's choices carry "text" instead of "delta" or "message".
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1602,7 +1616,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
         if not f.init or "help" not in f.metadata or f.name in skip:
             continue
         name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        if f.type == "bool":            # a flag that is on by default turns it off
+        if f.type == "bool":    # (types are strings: `from __future__ import annotations`)
+            # a flag that is on by default turns it off
             kw = dict(action="store_false" if f.default else "store_true",
                       help=("do not " if f.default else "") + f.metadata["help"])
         elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
