@@ -2387,7 +2387,14 @@ def tool_call_shape(server: OpenAIServer, f: dict, fmt: str, num_prompt_tokens: 
                     num_top_logprobs: Optional[int]) -> _ToolCallShape:
     shape = _ToolCallShape(server, num_prompt_tokens, num_top_logprobs, TOOL_CALL_FORMATS[fmt])
     shape.hold = fmt == "json" and bool(f["stop"])   # a stop string may cut a forced call
+    shape.family = server.front.tool_call_format     # a forced call's ids too: json is no family
     return shape
+
+def tool_call_id(family: str) -> str:
+    """A new call's id, in a form the family's chat template takes back with the call's result.
+    Mistral's template raises unless an id is 9 letters or digits (vLLM makes them so). The
+    others take any string, and get OpenAI's form: call_ and 24 hex digits."""
+    return uuid.uuid4().hex[:9] if family == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
 
 class _ToolCallShape(_ChatShape):
     """The chat shape with tools: the text is parsed (split_tool_calls) into content and call
@@ -2395,6 +2402,7 @@ class _ToolCallShape(_ChatShape):
     if the model called. A forced call that a stop string may cut is held to its end (hold): it
     comes whole, or if cut, as text with "stop"."""
     opening_content = None                    # null until text
+    family = "hermes"         # how the model writes calls (FrontEnd.tool_call_format): tool_call_id
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format: tuple):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
@@ -2411,7 +2419,7 @@ class _ToolCallShape(_ChatShape):
         new = []
         for i, (name, arguments) in enumerate(calls):
             if i >= len(num_args):                 # a call's first delta names it
-                new.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                new.append({"index": i, "id": tool_call_id(self.family), "type": "function",
                             "function": {"name": name, "arguments": arguments}})
             elif len(arguments) > num_args[i]:
                 new.append({"index": i, "function": {"arguments": arguments[num_args[i]:]}})

@@ -2345,8 +2345,12 @@ def check_person(text):
     return v
 
 
-def check_weather_call(call, name="get_weather"):
-    assert call.type == "function" and call.function.name == name and call.id.startswith("call_")
+def check_weather_call(call, name="get_weather", family="hermes"):
+    """A call to name whose arguments fit its tool, and whose id is in the form the family's chat
+    template takes back: Mistral's 9 letters or digits, OpenAI's call_... otherwise."""
+    assert call.type == "function" and call.function.name == name
+    assert re.fullmatch("[A-Za-z0-9]{9}", call.id) if family == "mistral" else \
+        call.id.startswith("call_"), call.id
     args = json.loads(call.function.arguments)
     if name == "get_weather":
         assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit"), args
@@ -2746,12 +2750,16 @@ LLAMA_TEMPLATE = (   # a Llama-3.1-like template: tools in the user turn, calls 
     "%}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}"
     "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
 MISTRAL_TEMPLATE = (   # a Mistral-v0.3-like template: tools before the last [INST], calls as a list
+    "{% set check = 'Tool call IDs should be alphanumeric strings with length 9!' %}"   # as v0.3
     "{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS] ["
     "{% for t in tools %}{{ t | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]"
     "[/AVAILABLE_TOOLS]{% endif %}[INST] {{ m.content }}[/INST]{% elif m.tool_calls %}"
-    "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ {'name': c.function.name, 'arguments': "
-    "c.function.arguments} | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]</s>"
-    "{% elif m.role == 'tool' %}[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]"
+    "[TOOL_CALLS] [{% for c in m.tool_calls %}{% if not (c.id is string and c.id | length == 9 "
+    "and c.id.isalnum()) %}{{ raise_exception(check) }}{% endif %}{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "</s>{% elif m.role == 'tool' %}{% if not (m.tool_call_id | length == 9 and "
+    "m.tool_call_id.isalnum()) %}{{ raise_exception(check) }}{% endif %}"
+    "[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]"
     "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
 # logit_bias on the tokens of "<tool_call>" (or "{" for Llama's calls) makes the small model open
 # a call; from there the grammar writes it (the bias stays: "_" is each string's likeliest letter)
@@ -2762,9 +2770,9 @@ OPEN_A_CALL = {"hermes": {"44": 100, "19324": 100, "79": 100, "4350": 100, "46":
 
 EARLIER_CALL = [{"role": "user", "content": "What time is it in Tokyo?"},
                 {"role": "assistant", "content": None, "tool_calls": [{
-                    "id": "1", "type": "function",
+                    "id": "a1b2c3d4e", "type": "function",
                     "function": {"name": "get_time", "arguments": '{"zone": "JST"}'}}]},
-                {"role": "tool", "tool_call_id": "1", "content": "9:00"},
+                {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "9:00"},
                 {"role": "assistant", "content": "It is 9:00."}]
 
 
@@ -2812,7 +2820,7 @@ def test_auto_tool_calls(engine, client):
             front.chat_template, front.tool_call_format = own, "hermes"
         print("auto:", r.message.tool_calls, "| text:", text.message)
         assert r.finish_reason == "tool_calls" and r.message.content is None
-        calls = [(c.function.name, check_weather_call(c, c.function.name))
+        calls = [(c.function.name, check_weather_call(c, c.function.name, fmt))
                  for c in r.message.tool_calls]
         streamed = {}
         for c in chunks:
@@ -2825,6 +2833,30 @@ def test_auto_tool_calls(engine, client):
         assert f'"{key}": {json.dumps(json.loads(call.function.arguments))}' in prompt, prompt
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
+
+def test_forced_call_goes_back_through_mistrals_template(engine, client):
+    """A forced call's id (json format, Mistral's family) is 9 letters or digits, which Mistral's
+    template requires of every id: the call sent back with its result is answered (200)."""
+    front, own = engine.front, engine.front.chat_template
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=MODEL, tools=[WEATHER], temperature=0, max_tokens=40,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    front.chat_template = ns.ChatTemplate({"chat_template": MISTRAL_TEMPLATE})
+    front.tool_call_format = "mistral"
+    try:
+        r = client.chat.completions.create(messages=messages, **kw).choices[0]
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+        turns = [*messages, r.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": r.message.tool_calls[0].id, "content": "sunny"}]
+        answer = client.chat.completions.create(**{**kw, "messages": turns, "tool_choice": "none",
+                                                   "max_tokens": 4})
+    finally:
+        front.chat_template, front.tool_call_format = own, "hermes"
+    check_weather_call(r.message.tool_calls[0], family="mistral")
+    [streamed_id] = [tc.id for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []
+                     if tc.id]
+    assert re.fullmatch("[A-Za-z0-9]{9}", streamed_id), streamed_id
+    assert answer.choices[0].finish_reason in ("stop", "length")
 
 BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
     ({"response_format": {"type": "json_schema", "json_schema": {
