@@ -2858,6 +2858,25 @@ def test_forced_call_goes_back_through_mistrals_template(engine, client):
     assert re.fullmatch("[A-Za-z0-9]{9}", streamed_id), streamed_id
     assert answer.choices[0].finish_reason in ("stop", "length")
 
+def test_random_model_of_every_family_chats(tmp_path):
+    """`bench.py model --random NAME --tokenizer weights/SmolLM2-135M-Instruct` builds a small
+    random model of each family the README lists. It carries the default model's tokenizer and
+    chat template, so it answers a chat with no download."""
+    import bench
+    ensure_smol()
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    for name, family in [("tiny", "llama"), ("qwen3-tiny", "qwen3"),
+                         ("qwen2.5-tiny", "qwen2"), ("mistral-tiny", "mistral")]:
+        path = bench.build_random_model(name, tmp_path, "cpu", tokenizer=SMOL_DIR)
+        assert json.loads((path / "config.json").read_text())["model_type"] == family
+        llm = ns.LLM(str(path), device="cpu", num_blocks=16)
+        prompt = llm.front.chat_template.render(messages)
+        assert prompt.endswith("<|im_start|>assistant\n"), prompt
+        [out] = llm.generate(llm.front.encode(prompt, add_special_tokens=False),
+                             ns.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        print(name, repr(out.text))
+        assert len(out.token_ids) == 4 and out.text
+
 BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
