@@ -1236,7 +1236,7 @@ class FrontEnd:
         self.chat_template = ChatTemplate(tokenizer_config)
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
         # chapter: structured output (how the model writes a call; a JSON schema's grammar)
-        self.tool_call_format = tool_call_format(cfg, self.chat_template.source)
+        self.tool_call_format, self.tool_call_token = read_tool_calls(self)
         self.grammar = functools.lru_cache(maxsize=256)(functools.partial(compile_grammar, self))
 
     # -- requests in --
@@ -2217,8 +2217,9 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
 # between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
 # standing for the calls' JSON schema: free text until the trigger (the opening's tag, which a
 # lazy lexeme ends at once; for Llama, "{" first), strict from there. Llama's <|python_tag|>
-# (a special token, which the decoder drops) opens its built-in tools: left out. So is Mistral's
-# [TOOL_CALLS] where its tokenizer makes it a special token: only its text form is read.
+# (a special token, which the decoder drops) opens its built-in tools: left out. Mistral v0.3's
+# tokenizer makes [TOOL_CALLS] a special token too. That one is kept (read_tool_calls): the front
+# end's tokenizer shows its text, and the grammar names the token by its id.
 TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
     "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
 start: TEXT | head call (SEP call)* "\n"?
@@ -2267,6 +2268,22 @@ def tool_call_format(cfg: Config, template: str) -> str:
     llama = "<|python_tag|>" in template or '"parameters"' in template
     return "llama3" if llama and "<tool_call>" not in template else "hermes"
 
+def read_tool_calls(front: FrontEnd) -> tuple:
+    """The format of the model's calls (tool_call_format), and the id of the token that opens
+    one where the tokenizer makes it special, else None. Mistral v0.3's [TOOL_CALLS] is one: the
+    decoder would drop it, and llguidance never matches a special token to text. So the front
+    end's tokenizer is rebuilt with it as an ordinary added token (as Qwen's <tool_call> is), whose
+    text every answer shows; encoding is unchanged."""
+    fmt = tool_call_format(front.cfg, front.chat_template.source)
+    spec = json.loads(front.tokenizer.to_str()) if fmt == "mistral" and front.tokenizer else {}
+    token = next((t for t in spec.get("added_tokens", [])
+                  if t["content"] == "[TOOL_CALLS]" and t["special"]), None)
+    if token is None:
+        return fmt, None
+    token["special"] = False
+    front.tokenizer = type(front.tokenizer).from_str(json.dumps(spec))
+    return fmt, token["id"]
+
 MAX_SCHEMA_DEPTH = 128    # JSON nesting that llguidance reads (serde_json's limit)
 # How prepare_schema reads a keyword's value: a map of names to schemas, or branches that
 # combine with the schema around them. Any other keyword's value is a schema, or holds some.
@@ -2305,11 +2322,17 @@ def prepare_schema(schema, strict: bool = False):
         return out
     return walk(schema, "#", 0)
 
-def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
+def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool,
+                      opening_token: Optional[int] = None) -> str:
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
     or the one named, spaced as json.dumps (as models are trained), one unless parallel. Tool
-    i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there."""
+    i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there.
+    With opening_token (read_tool_calls), Mistral's opening is that special token, <[id]> in
+    llguidance's Lark, then " [". Text cannot hold it, so TEXT ends there without a lazy lexeme."""
     key, lark = TOOL_CALL_FORMATS[fmt][2:]
+    if opening_token is not None and fmt == "mistral":
+        lark = lark.replace('head[lazy]: TEXT "[TOOL_CALLS] ["',
+                            f'head: TEXT <[{opening_token}]> " ["')
     tools = [t["function"] for t in tools if choice in ("auto", "required", t["function"]["name"])]
     params = [json.loads(json.dumps(prepare_schema(t.get("parameters", {"type": "object"})))
               .replace('"$ref": "#', f'"$ref": "#/anyOf/{i}/properties/{key}'))
@@ -2380,7 +2403,8 @@ async def chat_grammar(server: OpenAIServer, f: dict) -> tuple:
     if not tool:
         return await request_grammar(server, f.get("response_format")), None
     fmt = server.front.tool_call_format if tool == "auto" else "json"   # json: a forced call
-    lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True))
+    lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True),
+                             server.front.tool_call_token)
     return await request_grammar(server, lark, "tools"), fmt
 
 def tool_call_shape(server: OpenAIServer, f: dict, fmt: str, num_prompt_tokens: int,

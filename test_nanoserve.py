@@ -2858,6 +2858,51 @@ def test_forced_call_goes_back_through_mistrals_template(engine, client):
     assert re.fullmatch("[A-Za-z0-9]{9}", streamed_id), streamed_id
     assert answer.choices[0].finish_reason in ("stop", "length")
 
+def special_call_token_model(tmp_path) -> str:
+    """A random Mistral (bench.py's mistral-tiny) whose tokenizer is the default model's with
+    <file_sep> (id 5, as in Mistral v0.3) renamed [TOOL_CALLS] and still special, as Mistral's
+    is, and whose chat template is MISTRAL_TEMPLATE."""
+    import bench
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    text = open(os.path.join(ensure_smol(), "tokenizer.json")).read()
+    (tok / "tokenizer.json").write_text(text.replace('"<file_sep>"', '"[TOOL_CALLS]"'))
+    (tok / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": MISTRAL_TEMPLATE, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    (tok / "config.json").symlink_to(os.path.join(SMOL_DIR, "config.json"))
+    return str(bench.build_random_model("mistral-tiny", tmp_path, "cpu", tokenizer=str(tok)))
+
+
+def test_mistral_special_call_token_opens_a_call(tmp_path):
+    """Where the tokenizer makes [TOOL_CALLS] a special token (Mistral v0.3's), tool_choice "auto"
+    still gets calls: the grammar lets the model write that token, and the front end shows its
+    text, which the parser reads. logit_bias makes the random model open a call."""
+    path = special_call_token_model(tmp_path)
+    cfg = Config(model=path, device="cpu", num_threads=1)
+    engine = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(engine, cfg))
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert engine.front.tool_call_format == "mistral"
+        kw = dict(model=os.path.basename(path), temperature=0, max_tokens=40, tools=[TIME],
+                  messages=[{"role": "user", "content": "What time is it in Paris?"}],
+                  parallel_tool_calls=False, logit_bias={"5": 100})
+        r = client.chat.completions.create(**kw).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        plain = client.completions.create(model=kw["model"], prompt="hi", max_tokens=3,
+                                          logit_bias={"5": 100}, temperature=0)
+    finally:
+        srv.stop()
+        engine.shutdown()
+    print(r.message, "|", plain.choices[0].text)
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    check_weather_call(r.message.tool_calls[0], "get_time", "mistral")
+    streamed = [tc.function.name for c in chunks if c.choices
+                for tc in c.choices[0].delta.tool_calls or [] if tc.function.name]
+    assert streamed == ["get_time"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert plain.choices[0].text.startswith("[TOOL_CALLS]")     # shown outside of tools too
+
+
 def test_random_model_of_every_family_chats(tmp_path):
     """`bench.py model --random NAME --tokenizer weights/SmolLM2-135M-Instruct` builds a small
     random model of each family the README lists. It carries the default model's tokenizer and
