@@ -2210,7 +2210,7 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
 # Seams: Sequence.matcher, SamplingParams.grammar, the sampler (mask_logits), ModelRunner's
 # GrammarMasks, sample and finish_sample, _put_input_ids (finish_sample of the step before),
 # EngineCore.add_request (start_matcher), _commit (follow), _finish_reason (grammar_done),
-# ChatTemplate.render (tools as text), FrontEnd (tool_call_format, grammar), _Shape.hold, and the
+# ChatTemplate.render (tools as text), FrontEnd (read_tool_calls, grammar), _Shape.hold, and the
 # handlers (request_grammar, chat_grammar, tool_call_shape).
 
 # How each model family writes a tool call, for tool_choice "auto": {"name": ..., KEY: {...}}
