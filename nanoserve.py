@@ -1860,8 +1860,8 @@ def serve(cfg: Config):
 
 # ---------------------------------------------------------------------------
 # CLI
-# `generate` streams one completion to the terminal, and `serve` starts the HTTP server. The
-# flags are made from the Config and SamplingParams fields, so a new setting needs no parser code.
+# `generate` streams one completion to stdout (all else goes to stderr), and `serve` starts the
+# HTTP server. The flags are made from the Config and SamplingParams fields: no parser code.
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
     for f in dataclasses.fields(cls):
@@ -1890,8 +1890,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(gen, Config, skip=("host", "port", "api_key", "max_request_bytes"))
     add_dataclass_flags(gen, SamplingParams)
     gen.set_defaults(max_tokens=128)                      # a terminal wants more than the API's 16
-    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_dataclass_flags(srv, Config)
+    add_dataclass_flags(commands.add_parser("serve", help="OpenAI-compatible HTTP server"), Config)
     return parser
 
 def run_generate(cfg: Config, prompt: str, params: SamplingParams):
@@ -1900,6 +1899,7 @@ def run_generate(cfg: Config, prompt: str, params: SamplingParams):
     for _ in llm.run():
         print(state.take_delta().text, end="", flush=True)
     print()
+    _progress(speed_line(llm, state), end=True)      # chapter: the rest of the OpenAI API
 
 def ensure_default_model(model: str):
     """The default model is made on first use (download.py converts it)."""
@@ -3187,6 +3187,19 @@ def engine_stats(core: EngineCore) -> dict:
                 prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
                 preemptions_total=s.num_preemptions,
                 **s.speculation.stats())                  # chapter: speculative decoding
+
+def speed_line(llm: LLM, state: RequestState) -> str:
+    """What `generate` prints on stderr after its answer: the tokens, the seconds from the
+    request's arrival to its end (the prompt's prefill too), tok/s, and with drafts on
+    (num_speculative_tokens > 0) the share of the drafts accepted."""
+    n, seconds = len(state.token_ids), state.finish_time - state.arrival_time
+    line = f"{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tok/s"
+    if llm.front.cfg.num_speculative_tokens > 0:
+        stats = llm.stats()
+        drafted = stats["spec_decode_num_draft_tokens_total"]
+        accepted = stats["spec_decode_num_accepted_tokens_total"]
+        line += f", {accepted} of {drafted} drafts accepted ({accepted / max(1, drafted):.0%})"
+    return line
 
 class ServerMetrics:
     """Prometheus' view: latency histograms observed in the server process, and the engine core's

@@ -818,6 +818,24 @@ def test_num_speculative_tokens_bounds(capsys):
             "\n" not in str(e.value.code)
 
 
+def test_generate_on_first_use_prints_the_answer_alone_on_stdout(smol_llm, tmp_path, monkeypatch,
+                                                                   capfd):
+    """`nanoserve.py generate` with no default model yet makes it (download.py) into a temporary
+    folder here. pip's and the converter's progress go to stderr, stdout holds the answer alone,
+    and stderr ends with one line of speed (with drafts on, their acceptance)."""
+    prompt, folder = "The capital of France is", str(tmp_path / download.DEFAULT_NAME)
+    [want] = smol_llm.generate(prompt, ns.SamplingParams(temperature=0, max_tokens=8))
+    real = download.download
+    monkeypatch.setattr(download, "download", lambda: real(root=tmp_path))
+    monkeypatch.setattr(ns, "DEFAULT_MODEL", folder)
+    ns.main(["generate", prompt, "--model", folder, "--device", "cpu", "--temperature", "0",
+             "--max-tokens", "8", "--num-speculative-tokens", "4"])
+    out, err = capfd.readouterr()
+    print(err)
+    assert out == want.text + "\n" and "[4/4] wrote" in err
+    assert re.fullmatch(r"8 tokens in [0-9.]+ s, [0-9.]+ tok/s, \d+ of \d+ drafts accepted "
+                        r"\(\d+%\)", err.splitlines()[-1]), err.splitlines()[-1]
+
 # ---------------------------------------------------------------------------
 # Sampling
 
