@@ -2269,11 +2269,12 @@ def tool_call_format(cfg: Config, template: str) -> str:
     return "llama3" if llama and "<tool_call>" not in template else "hermes"
 
 def read_tool_calls(front: FrontEnd) -> tuple:
-    """The format of the model's calls (tool_call_format), and the id of the token that opens
-    one where the tokenizer makes it special, else None. Mistral v0.3's [TOOL_CALLS] is one: the
-    decoder would drop it, and llguidance never matches a special token to text. So the front
-    end's tokenizer is rebuilt with it as an ordinary added token (as Qwen's <tool_call> is), whose
-    text every answer shows; encoding is unchanged."""
+    """How the model writes its calls: the format (tool_call_format), and the id of the token
+    that opens a call where the tokenizer makes it special, else None. Mistral v0.3's
+    [TOOL_CALLS] is such a token. The decoder would drop it, and llguidance never matches a
+    special token to text. So the front end's tokenizer is rebuilt with it as an ordinary added
+    token, as Qwen's <tool_call> is. Every answer then shows its text. Encoding stays the same,
+    and the grammar names the token by its id (tool_call_grammar)."""
     fmt = tool_call_format(front.cfg, front.chat_template.source)
     spec = json.loads(front.tokenizer.to_str()) if fmt == "mistral" and front.tokenizer else {}
     token = next((t for t in spec.get("added_tokens", [])
@@ -2327,8 +2328,9 @@ def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool,
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
     or the one named, spaced as json.dumps (as models are trained), one unless parallel. Tool
     i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there.
-    With opening_token (read_tool_calls), Mistral's opening is that special token, <[id]> in
-    llguidance's Lark, then " [". Text cannot hold it, so TEXT ends there without a lazy lexeme."""
+    With opening_token (read_tool_calls), Mistral's opening is that special token, written
+    <[id]> in llguidance's Lark, then " [". Text cannot hold it, so TEXT ends there by itself,
+    with no lazy lexeme (which could not hold a special token either)."""
     key, lark = TOOL_CALL_FORMATS[fmt][2:]
     if opening_token is not None and fmt == "mistral":
         lark = lark.replace('head[lazy]: TEXT "[TOOL_CALLS] ["',
@@ -2906,14 +2908,14 @@ def quantize_fp8_weights(model: Model, cfg: Config):
 # Part one's handlers read a body's fields through parse_fields and answer in OpenAI's shapes.
 # This chapter holds what makes them conformant: a table of each endpoint's fields, with their
 # JSON types and rules; the body's limits and the API key; the shapes of log-probs, per endpoint,
-# with echo; /v1/models and /metrics; and errors in OpenAI's shape.
+# with echo; /v1/models and /metrics; errors in OpenAI's shape; and generate's line of speed.
 # An unknown field is refused, never ignored: it might have changed the output. A field the API
 # defines but nanoserve does not implement is refused too, unless it asks for nothing new. So a
 # client never gets other than it asked.
 # Seams: the handlers (read_body, then parse_fields with COMPLETION_FIELDS or CHAT_FIELDS), the
 # routes (keyed, api_routes), build_app (error_response), the response shapes
-# (completion_logprobs, chat_logprobs), EngineCoreClient (ServerMetrics), and RequestState's
-# latency clock.
+# (completion_logprobs, chat_logprobs), EngineCoreClient (ServerMetrics), RequestState's
+# latency clock, and run_generate (speed_line).
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
