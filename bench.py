@@ -23,6 +23,9 @@ the same inputs.
     host        the host's microseconds per phase of a steady decode step (schedule,
                 prepare, launch, sample, commit, the front end) at each batch
                 size, beside the device's for the step's CUDA graph alone
+    model       no benchmark: builds a random model's folder and prints its
+                path, to serve (with --tokenizer, a real tokenizer and chat
+                template: every family's chat and tool calls, offline)
     spec        speculative decoding (prompt lookup): on a CPU, one sequence of
                 the real model on four tasks (copy, rename in code, answer
                 from a document, open-ended), nanoserve with and without
@@ -305,6 +308,15 @@ RANDOM_MODELS = {
         max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2),
 }
+# Each other family the engine serves, as small as "tiny" ("tiny" is the Llama): to try a family
+# offline (`bench.py model`), not to time it. Qwen3's head_dim is not D / n_heads, as at 0.6B.
+_TINY = {k: v for k, v in RANDOM_MODELS["tiny"].items() if k != "rope_scaling"}
+RANDOM_MODELS |= {
+    "qwen3-tiny": _TINY | dict(model_type="qwen3", head_dim=32),
+    "qwen2.5-tiny": _TINY | dict(model_type="qwen2", use_sliding_window=False),  # q, k, v biases
+    "mistral-tiny": _TINY | dict(model_type="mistral", sliding_window=None,
+                                 tie_word_embeddings=False),
+}
 
 
 def write_tokenizer(path, vocab_size, bos_id, eos_id, max_len):
@@ -319,7 +331,8 @@ def write_tokenizer(path, vocab_size, bos_id, eos_id, max_len):
 
 def build_random_model(name, out_dir, device, tokenizer=None):
     """Build, save and return the folder of a random-weight model; reused when present. With a
-    tokenizer folder, the model takes its tokenizer and its vocabulary's size, BOS and EOS."""
+    tokenizer folder, the model takes its tokenizer, its chat template (tokenizer_config.json)
+    and its vocabulary's size, BOS and EOS."""
     path = Path(out_dir) / (f"random-{name}" + (f"-{Path(tokenizer).name}" if tokenizer else ""))
     if (path / "tokenizer.json").is_file() and any(path.glob("*.safetensors")):
         return path
@@ -1853,8 +1866,21 @@ def graph_us(runner, B, device, reps=50):
     return 1e6 * seconds / reps
 
 
+# ---------------------------------------------------------------------------
+# Mode: model
+# No benchmark: the random model's folder, built as every mode builds it, for
+# `nanoserve.py serve --model DIR`. With --tokenizer weights/SmolLM2-135M-Instruct
+# it has a real tokenizer and chat template, so chat and tool calls can be tried
+# in each family with no download (the answers are noise).
+
+def model(args, model_dir, hw):
+    """Build a random model's folder (--random, and --tokenizer for a real tokenizer and chat
+    template) and print its path as the last line, for nanoserve.py serve --model."""
+    print(model_dir.resolve())
+
+
 MODES = {"throughput": throughput, "latency": latency, "serve": serve, "kernel": kernel, "prefix": prefix,
-         "structured": structured, "tp": tensor_parallel, "spec": spec, "host": host}
+         "structured": structured, "tp": tensor_parallel, "spec": spec, "host": host, "model": model}
 
 # Sizes of each mode: (flag, type, GPU default, CPU default, help).
 SIZE_FLAGS = {
@@ -1917,6 +1943,9 @@ SIZE_FLAGS = {
         ("against", str, None, None, "a folder whose nanoserve.py runs beside, in turns"),
         ("prompt_len", int, 128, 16, "prompt tokens of each row"),
         ("decode_len", int, 128, 32, "new tokens of each row")],
+    "model": [
+        ("tokenizer", str, None, None, "folder whose tokenizer, chat template and vocabulary the "
+                                       "model takes (default: a synthetic tokenizer, no chat)")],
     "spec": [
         ("num_speculative_tokens", int, 4, 4, "drafts per step (k)"),
         ("output_len", int, 128, 128, "most new tokens of a request"),
@@ -1981,7 +2010,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    hw = hardware_info(args.device, args.torch_dtype)
+    hw = hardware_info(args.device, args.torch_dtype) if args.mode != "model" else {}
     model_dir = None
     if args.mode != "kernel":
         name = args.random or ("llama-3.2-1b" if args.device.startswith("cuda") else "tiny")

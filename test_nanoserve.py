@@ -840,6 +840,24 @@ def test_num_speculative_tokens_bounds(capsys):
             "\n" not in str(e.value.code)
 
 
+def test_generate_on_first_use_prints_the_answer_alone_on_stdout(smol_llm, tmp_path, monkeypatch,
+                                                                   capfd):
+    """`nanoserve.py generate` with no default model yet makes it (download.py) into a temporary
+    folder here. pip's and the converter's progress go to stderr, stdout holds the answer alone,
+    and stderr ends with one line of speed (with drafts on, their acceptance)."""
+    prompt, folder = "The capital of France is", str(tmp_path / download.DEFAULT_NAME)
+    [want] = smol_llm.generate(prompt, ns.SamplingParams(temperature=0, max_tokens=8))
+    real = download.download
+    monkeypatch.setattr(download, "download", lambda: real(root=tmp_path))
+    monkeypatch.setattr(ns, "DEFAULT_MODEL", folder)
+    ns.main(["generate", prompt, "--model", folder, "--device", "cpu", "--temperature", "0",
+             "--max-tokens", "8", "--num-speculative-tokens", "4"])
+    out, err = capfd.readouterr()
+    print(err)
+    assert out == want.text + "\n" and "[4/4] wrote" in err
+    assert re.fullmatch(r"8 tokens in [0-9.]+ s, [0-9.]+ tok/s, \d+ of \d+ drafts accepted "
+                        r"\(\d+%\)", err.splitlines()[-1]), err.splitlines()[-1]
+
 # ---------------------------------------------------------------------------
 # Sampling
 
@@ -2367,8 +2385,12 @@ def check_person(text):
     return v
 
 
-def check_weather_call(call, name="get_weather"):
-    assert call.type == "function" and call.function.name == name and call.id.startswith("call_")
+def check_weather_call(call, name="get_weather", family="hermes"):
+    """A call to name whose arguments fit its tool, and whose id is in the form the family's chat
+    template takes back: Mistral's 9 letters or digits, OpenAI's call_... otherwise."""
+    assert call.type == "function" and call.function.name == name
+    assert re.fullmatch("[A-Za-z0-9]{9}", call.id) if family == "mistral" else \
+        call.id.startswith("call_"), call.id
     args = json.loads(call.function.arguments)
     if name == "get_weather":
         assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit"), args
@@ -2768,12 +2790,16 @@ LLAMA_TEMPLATE = (   # a Llama-3.1-like template: tools in the user turn, calls 
     "%}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}"
     "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
 MISTRAL_TEMPLATE = (   # a Mistral-v0.3-like template: tools before the last [INST], calls as a list
+    "{% set check = 'Tool call IDs should be alphanumeric strings with length 9!' %}"   # as v0.3
     "{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS] ["
     "{% for t in tools %}{{ t | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]"
     "[/AVAILABLE_TOOLS]{% endif %}[INST] {{ m.content }}[/INST]{% elif m.tool_calls %}"
-    "[TOOL_CALLS] [{% for c in m.tool_calls %}{{ {'name': c.function.name, 'arguments': "
-    "c.function.arguments} | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]</s>"
-    "{% elif m.role == 'tool' %}[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]"
+    "[TOOL_CALLS] [{% for c in m.tool_calls %}{% if not (c.id is string and c.id | length == 9 "
+    "and c.id.isalnum()) %}{{ raise_exception(check) }}{% endif %}{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "</s>{% elif m.role == 'tool' %}{% if not (m.tool_call_id | length == 9 and "
+    "m.tool_call_id.isalnum()) %}{{ raise_exception(check) }}{% endif %}"
+    "[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]"
     "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
 # logit_bias on the tokens of "<tool_call>" (or "{" for Llama's calls) makes the small model open
 # a call; from there the grammar writes it (the bias stays: "_" is each string's likeliest letter)
@@ -2784,9 +2810,9 @@ OPEN_A_CALL = {"hermes": {"44": 100, "19324": 100, "79": 100, "4350": 100, "46":
 
 EARLIER_CALL = [{"role": "user", "content": "What time is it in Tokyo?"},
                 {"role": "assistant", "content": None, "tool_calls": [{
-                    "id": "1", "type": "function",
+                    "id": "a1b2c3d4e", "type": "function",
                     "function": {"name": "get_time", "arguments": '{"zone": "JST"}'}}]},
-                {"role": "tool", "tool_call_id": "1", "content": "9:00"},
+                {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "9:00"},
                 {"role": "assistant", "content": "It is 9:00."}]
 
 
@@ -2834,7 +2860,7 @@ def test_auto_tool_calls(engine, client):
             front.chat_template, front.tool_call_format = own, "hermes"
         print("auto:", r.message.tool_calls, "| text:", text.message)
         assert r.finish_reason == "tool_calls" and r.message.content is None
-        calls = [(c.function.name, check_weather_call(c, c.function.name))
+        calls = [(c.function.name, check_weather_call(c, c.function.name, fmt))
                  for c in r.message.tool_calls]
         streamed = {}
         for c in chunks:
@@ -2847,6 +2873,94 @@ def test_auto_tool_calls(engine, client):
         assert f'"{key}": {json.dumps(json.loads(call.function.arguments))}' in prompt, prompt
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
+
+def test_forced_call_goes_back_through_mistrals_template(engine, client):
+    """A forced call's id (json format, Mistral's family) is 9 letters or digits, which Mistral's
+    template requires of every id: the call sent back with its result is answered (200)."""
+    front, own = engine.front, engine.front.chat_template
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=MODEL, tools=[WEATHER], temperature=0, max_tokens=40,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    front.chat_template = ns.ChatTemplate({"chat_template": MISTRAL_TEMPLATE})
+    front.tool_call_format = "mistral"
+    try:
+        r = client.chat.completions.create(messages=messages, **kw).choices[0]
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+        turns = [*messages, r.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": r.message.tool_calls[0].id, "content": "sunny"}]
+        answer = client.chat.completions.create(**{**kw, "messages": turns, "tool_choice": "none",
+                                                   "max_tokens": 4})
+    finally:
+        front.chat_template, front.tool_call_format = own, "hermes"
+    check_weather_call(r.message.tool_calls[0], family="mistral")
+    [streamed_id] = [tc.id for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []
+                     if tc.id]
+    assert re.fullmatch("[A-Za-z0-9]{9}", streamed_id), streamed_id
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+def special_call_token_model(tmp_path) -> str:
+    """A random Mistral (bench.py's mistral-tiny) whose tokenizer is the default model's with
+    <file_sep> (id 5, as in Mistral v0.3) renamed [TOOL_CALLS] and still special, as Mistral's
+    is, and whose chat template is MISTRAL_TEMPLATE."""
+    import bench
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    text = open(os.path.join(ensure_smol(), "tokenizer.json")).read()
+    (tok / "tokenizer.json").write_text(text.replace('"<file_sep>"', '"[TOOL_CALLS]"'))
+    (tok / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": MISTRAL_TEMPLATE, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+    (tok / "config.json").symlink_to(os.path.join(SMOL_DIR, "config.json"))
+    return str(bench.build_random_model("mistral-tiny", tmp_path, "cpu", tokenizer=str(tok)))
+
+
+def test_mistral_special_call_token_opens_a_call(tmp_path):
+    """Where the tokenizer makes [TOOL_CALLS] a special token (Mistral v0.3's), tool_choice "auto"
+    still gets calls: the grammar lets the model write that token, and the front end shows its
+    text, which the parser reads. logit_bias makes the random model open a call."""
+    path = special_call_token_model(tmp_path)
+    cfg = Config(model=path, device="cpu", num_threads=1)
+    engine = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(engine, cfg))
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert engine.front.tool_call_format == "mistral"
+        kw = dict(model=os.path.basename(path), temperature=0, max_tokens=40, tools=[TIME],
+                  messages=[{"role": "user", "content": "What time is it in Paris?"}],
+                  parallel_tool_calls=False, logit_bias={"5": 100})
+        r = client.chat.completions.create(**kw).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        plain = client.completions.create(model=kw["model"], prompt="hi", max_tokens=3,
+                                          logit_bias={"5": 100}, temperature=0)
+    finally:
+        srv.stop()
+        engine.shutdown()
+    print(r.message, "|", plain.choices[0].text)
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    check_weather_call(r.message.tool_calls[0], "get_time", "mistral")
+    streamed = [tc.function.name for c in chunks if c.choices
+                for tc in c.choices[0].delta.tool_calls or [] if tc.function.name]
+    assert streamed == ["get_time"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert plain.choices[0].text.startswith("[TOOL_CALLS]")     # shown outside of tools too
+
+
+def test_random_model_of_every_family_chats(tmp_path):
+    """`bench.py model --random NAME --tokenizer weights/SmolLM2-135M-Instruct` builds a small
+    random model of each family the README lists. It carries the default model's tokenizer and
+    chat template, so it answers a chat with no download."""
+    import bench
+    ensure_smol()
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    for name, family in [("tiny", "llama"), ("qwen3-tiny", "qwen3"),
+                         ("qwen2.5-tiny", "qwen2"), ("mistral-tiny", "mistral")]:
+        path = bench.build_random_model(name, tmp_path, "cpu", tokenizer=SMOL_DIR)
+        assert json.loads((path / "config.json").read_text())["model_type"] == family
+        llm = ns.LLM(str(path), device="cpu", num_blocks=16)
+        prompt = llm.front.chat_template.render(messages)
+        assert prompt.endswith("<|im_start|>assistant\n"), prompt
+        [out] = llm.generate(llm.front.encode(prompt, add_special_tokens=False),
+                             ns.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        print(name, repr(out.text))
+        assert len(out.token_ids) == 4 and out.text
 
 BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
     ({"response_format": {"type": "json_schema", "json_schema": {
