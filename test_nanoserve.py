@@ -2187,6 +2187,7 @@ def test_api_key(keyed_server):
     assert httpx.get(url + "/health").status_code == 200
     for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}]:
         assert_error(httpx.get(url + "/v1/models", headers=headers), 401)
+        assert_error(httpx.post(url + "/v1/responses", json={"input": "hi"}, headers=headers), 401)
     with pytest.raises(APIStatusError) as e:
         OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.status_code == 401
