@@ -2741,6 +2741,27 @@ def test_responses_stream(client):
             assert outputs(s.get_final_response()) == outputs(whole)
 
 
+def test_responses_stream_ends_with_an_error_event():
+    """An error after the first byte (the chat chunks raise, as when the engine core dies) ends
+    the stream with an event numbered like the rest, in OpenAI's error shape, which the openai
+    SDK raises."""
+    async def chunks():
+        yield {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
+        raise ns.APIError(500, "the engine core died", "internal_error")
+
+    async def write(data):
+        written.append(json.loads(data))
+    chat = types.SimpleNamespace(num_prompt_tokens=3, num_completion_tokens=1, chunks=None,
+                                 server=types.SimpleNamespace(model_name=MODEL))
+    written = []
+    asyncio.run(ns._ResponsesShape(chat, {}).stream(chunks(), False, write))
+    assert [e["type"] for e in written] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "error"]
+    assert [e["sequence_number"] for e in written] == list(range(6))
+    assert written[-1]["error"]["message"] == "the engine core died"
+
+
 def test_responses_client_that_leaves_ends_its_request(server, client):
     """A client that leaves has its request aborted within a step or so, streamed or not, not
     run to max_output_tokens. Its text.format asks for 400 numbers, so it cannot end sooner."""
@@ -2840,8 +2861,10 @@ RESPONSES_REFUSED = [   # (fields, the param the 400 names)
 
 def test_responses_refused_fields(server, client):
     """Fields that would change the output and are not served are refused with a 400 that names
-    them, by their Responses names; previous_response_id's says to send the whole conversation.
-    Fields that change nothing are accepted. A wrong model name is a 404, as on every route."""
+    them by their path in the Responses body (a schema that only the chat handler's grammar
+    check refuses is named as chat names it). previous_response_id's 400 says to send the whole
+    conversation. Fields that change nothing are accepted. A wrong model name is a 404, as on
+    every route, and an unknown path's 404 names /v1/responses among the served routes."""
     url = server.url + "/v1/responses"
     for fields, param in RESPONSES_REFUSED:
         r = httpx.post(url, timeout=30, json={"input": "hi", "max_output_tokens": 2, **fields})
