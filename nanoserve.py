@@ -1608,7 +1608,11 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         # chapter: the rest of the OpenAI API (the JSON body; each field checked by its table)
-        f = parse_fields(await read_body(self, request), CHAT_FIELDS)
+        return await self.answer_chat(request, parse_fields(await read_body(self, request),
+                                                            CHAT_FIELDS))
+
+    async def answer_chat(self, request: Request, f: dict, reshape=None) -> Response:
+        """A chat request's checked fields f, answered. reshape: chapter: the Responses API."""
         try:
             text = self.front.chat_template.render(f["messages"], f.get("tools"),
                                                    self.front.tool_call_format)
@@ -1624,6 +1628,7 @@ class OpenAIServer:
                                        num_top, grammar=grammar)
         shape = _ChatShape(self, len(prompt_ids), num_top) if fmt is None else \
             tool_call_shape(self, f, fmt, len(prompt_ids), num_top)   # chapter: structured output
+        shape = reshape(shape) if reshape else shape    # chapter: the Responses API (None: chat)
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _encode(self, prompt, add_special_tokens: bool = True) -> list:
@@ -3317,17 +3322,11 @@ def chat_body(r: dict) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 async def responses(server: OpenAIServer, request: Request) -> Response:
-    """POST /v1/responses: the chat handler, run on the chat body that this body stands for. The
-    request it reads has that body, then the client's own messages (such as its leaving). On this
-    request's own server object, an attribute shadows _respond to wrap the chat shape."""
+    """POST /v1/responses: the chat request that this body stands for, answered by the chat
+    handler (OpenAIServer.answer_chat), its chat shape re-shaped into Responses events."""
     r = parse_fields(await read_body(server, request), RESPONSES_FIELDS)
-    messages = [{"type": "http.request", "body": _to_json(chat_body(r)).encode()}]
-    async def receive():
-        return messages.pop() if messages else await request.receive()
-    chat = OpenAIServer(server.client, server.cfg)
-    chat._respond = lambda request, f, shape, *rest: OpenAIServer._respond(
-        chat, request, f, _ResponsesShape(shape, r), *rest)
-    return await chat.chat(Request(request.scope, receive))
+    f = parse_fields(chat_body(r), CHAT_FIELDS)
+    return await server.answer_chat(request, f, lambda shape: _ResponsesShape(shape, r))
 
 _ECHOED = dict(instructions=None, tools=[], tool_choice="auto", parallel_tool_calls=True,
                temperature=1.0, top_p=1.0, max_output_tokens=None, metadata={}, user=None,
