@@ -26,8 +26,8 @@ scheduled step by step into a flat batch, runs through Model.forward and is samp
 ids go back to the FrontEnd, which turns them into text. Then come the chapters, one per feature
 a request may or may not meet (prefix caching, the burst rule, speculative decoding, structured
 output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights, the rest of
-the OpenAI API, faults). Each enters part one through seams, lines labelled "# chapter: NAME"
-that do nothing while it is off.
+the OpenAI API, the Responses API, faults). Each enters part one through seams, lines labelled
+"# chapter: NAME" that do nothing while it is off.
 """
 
 from __future__ import annotations
@@ -1356,7 +1356,11 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         # chapter: the rest of the OpenAI API (the JSON body; each field checked by its table)
-        f = parse_fields(await read_body(self, request), CHAT_FIELDS)
+        return await self.answer_chat(request, parse_fields(await read_body(self, request),
+                                                            CHAT_FIELDS))
+
+    async def answer_chat(self, request: Request, f: dict, reshape=None) -> Response:
+        """A chat request's checked fields f, answered. reshape: chapter: the Responses API."""
         try:
             text = self.front.chat_template.render(f["messages"], f.get("tools"),
                                                    self.front.tool_call_format)
@@ -1372,6 +1376,7 @@ class OpenAIServer:
                                        num_top, grammar=grammar)
         shape = _ChatShape(self, len(prompt_ids), num_top) if fmt is None else \
             tool_call_shape(self, f, fmt, len(prompt_ids), num_top)   # chapter: structured output
+        shape = reshape(shape) if reshape else shape    # chapter: the Responses API (None: chat)
         return await self._respond(request, f, shape, [prompt_ids], params)
 
     async def _encode(self, prompt, add_special_tokens: bool = True) -> list:
@@ -3203,14 +3208,16 @@ def api_routes(server: OpenAIServer) -> list:
         return Response(prometheus_client.generate_latest(server.client.metrics.registry),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
     return [Route("/metrics", metrics), Route("/v1/models", keyed(server, models)),
-            Route("/v1/models/{model:path}", keyed(server, models))]
+            Route("/v1/models/{model:path}", keyed(server, models)),
+            Route("/v1/responses", keyed(server, functools.partial(responses, server)),
+                  methods=["POST"])]                           # chapter: the Responses API
 
 async def error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
     (logged; the client gets one line). A 413 or 5xx closes the connection: a pool opens another."""
-    if isinstance(e, HTTPException):   # an unknown path (the Agents SDK's /v1/responses): say why
-        e = APIError(e.status_code, e.detail if e.status_code != 404 else f"{request.url.path} "
-                     "is not served: this server speaks /v1/chat/completions and /v1/completions")
+    if isinstance(e, HTTPException):   # an unknown path: say which are (chapter: the Responses API)
+        e = APIError(e.status_code, e.detail if e.status_code != 404 else f"{request.url.path} is "
+                     "not served: try /v1/chat/completions, /v1/completions or /v1/responses")
     elif not isinstance(e, APIError):
         e = APIError(500, f"internal error: {type(e).__name__}", "internal_error")
     headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None
@@ -3316,6 +3323,193 @@ class ServerMetrics:
         for name, value in self.client.stats.items():   # prometheus_client adds "_total" back
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
             yield family(f"nanoserve_{name.removesuffix('_total')}", name, value=value)
+
+# ---------------------------------------------------------------------------
+# Chapter: the Responses API
+# /v1/responses is what OpenAI's SDK (client.responses) and its Agents SDK call by default. A
+# Responses request is a chat request in other words, so this chapter adds no engine mechanism.
+# Its handler checks the body by its own table, writes the chat body it stands for (chat_body),
+# and hands that to the chat handler. So the chat template, sampling, grammars and tool calls
+# run as for chat. The chat shape's chunks are re-shaped (_ResponsesShape) into Responses events,
+# or into one response object. nanoserve keeps no state: previous_response_id is a 400, and
+# store is accepted but stores nothing.
+# Seams: api_routes (the route) and error_response (its 404 names the route).
+
+_STRING = (str, _REQUIRED)                    # a string that the item needs
+_ITEMS = {   # each type of input item's fields, beside type, id and status (which change nothing)
+    "message": dict(content=(object, _REQUIRED), role=(str, _rule(lambda v, f: v in (
+        "user", "assistant", "system", "developer"), "must be 'user', 'assistant', 'system' or "
+        "'developer'"))),
+    "function_call": dict(call_id=_STRING, name=_STRING, arguments=_STRING),
+    "function_call_output": dict(call_id=_STRING, output=_STRING)}
+_TEXT_PART = dict(type=(str, _rule(lambda v, f: v in ("input_text", "output_text"), "must be "
+                  "'input_text' or 'output_text'")), text=_STRING, annotations=list, logprobs=list)
+
+def _input(v, f) -> list:
+    """'input' as chat messages. A string is a user message. A message item keeps its role (but
+    developer is system), a function_call joins the assistant message before it as a tool call,
+    and a function_call_output is a "tool" message."""
+    items = [{"role": "user", "content": v}] if isinstance(v, str) else _check(v, [dict], "input")
+    if not items:
+        raise ValueError("must be a string or a non-empty list of items")
+    messages = []
+    for i, item in enumerate(items):
+        if (kind := item.get("type", "message")) not in _ITEMS:
+            raise ValueError(f"items of type {kind!r} are not supported ({', '.join(_ITEMS)})")
+        item = parse_fields(item, dict(_ITEMS[kind], type=str, id=str, status=str), f"input[{i}].")
+        if kind == "message":
+            text = item["content"] if isinstance(item["content"], str) else [
+                {"type": "text", "text": p["text"]}
+                for p in _check(item["content"], [_TEXT_PART], f"input[{i}].content")]
+            messages.append({"role": item["role"].replace("developer", "system"), "content": text})
+        elif kind == "function_call_output":
+            messages.append(dict(role="tool", tool_call_id=item["call_id"], content=item["output"]))
+        else:
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": None})
+            messages[-1].setdefault("tool_calls", []).append({"id": item["call_id"], "function": {
+                "name": item["name"], "arguments": item["arguments"]}, "type": "function"})
+    return messages
+
+RESPONSES_FIELDS = dict(   # chat_body's body is checked by CHAT_FIELDS after these, as chat's is
+    model=str, input=(object, _input), instructions=str, max_output_tokens=int,
+    temperature=float, top_p=float, stream=bool, parallel_tool_calls=bool,
+    tools=[{"type": (str, _rule(lambda v, f: v == "function", "must be 'function' (built-in tools "
+                                "are not served)")), **CHAT_FIELDS["tools"][0]["function"][0]}],
+    tool_choice=(object, _rule(lambda v, f: not isinstance(v, dict) or v.get("type") == "function"
+                               and isinstance(v.get("name"), str) and len(v) == 2,
+                               "must be a string or {'type': 'function', 'name': ...}")),
+    text={"format": {"type": (str, _rule(lambda v, f: v in (None, "text", "json_object",
+          "json_schema"), "must be 'text', 'json_object' or 'json_schema'")), "name": str,
+          "description": str, "schema": (dict, _schema), "strict": bool}, "verbosity": str},
+    include=(list, _rule(lambda v, f: not v, "is not supported: there is nothing to include")),
+    previous_response_id=(str, _rule(lambda v, f: v is None, "is not supported: this server keeps "
+                                     "no state, so send the whole conversation as 'input'")),
+    user=str, metadata=dict, store=bool, service_tier=str,   # these change nothing, and nor
+    reasoning=dict)          # do reasoning (no model here takes an effort) and verbosity
+
+def chat_body(r: dict) -> dict:
+    """The chat request that a Responses request (its checked fields) stands for."""
+    fmt, choice = r.get("text", {}).get("format", {}), r.get("tool_choice")
+    schema = {k: v for k, v in fmt.items() if k != "type"}   # name, description, schema, strict
+    system = [{"role": "system", "content": r["instructions"]}] if "instructions" in r else []
+    body = dict(
+        messages=system + r["input"], max_completion_tokens=r.get("max_output_tokens"),
+        temperature=r.get("temperature"), top_p=r.get("top_p"), stream=r.get("stream"),
+        tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+               for t in r.get("tools", [])] or None,
+        tool_choice={"type": "function", "function": {"name": choice["name"]}}
+        if isinstance(choice, dict) else choice, parallel_tool_calls=r.get("parallel_tool_calls"),
+        response_format={"type": fmt.get("type", "text"), "json_schema": schema or None})
+    return {k: v for k, v in body.items() if v is not None}
+
+async def responses(server: OpenAIServer, request: Request) -> Response:
+    """POST /v1/responses: the chat request that this body stands for, answered by the chat
+    handler (OpenAIServer.answer_chat), its chat shape re-shaped into Responses events."""
+    r = parse_fields(await read_body(server, request), RESPONSES_FIELDS)
+    f = parse_fields(chat_body(r), CHAT_FIELDS)
+    return await server.answer_chat(request, f, lambda shape: _ResponsesShape(shape, r))
+
+_ECHOED = dict(instructions=None, tools=[], tool_choice="auto", parallel_tool_calls=True,
+               temperature=1.0, top_p=1.0, max_output_tokens=None, metadata={}, user=None,
+               text={"format": {"type": "text"}})   # the settings a response echoes: defaults
+
+class _ResponsesShape:
+    """A chat shape's chunks as Responses events, which a stream sends and a body drops. Text grows
+    a message item, and each call (a tool_calls delta with an id) a function_call item. An item
+    is added, grows, and is done before the next is added, as OpenAI streams them."""
+    def __init__(self, chat: _ChatShape, r: dict):
+        self.chat, self.r, self.output, self.status, self.num_events = chat, r, [], "in_progress", 0
+        self.id, self.created_at = "resp_" + uuid.uuid4().hex, int(time.time())
+        self.chunks = chat.chunks                 # what stream or body re-shapes
+
+    def response(self) -> dict:
+        n, m, status = self.chat.num_prompt_tokens, self.chat.num_completion_tokens, self.status
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "error": None,
+                "model": self.chat.server.model_name, "status": status, "store": False,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
+                else None, "output": self.output, "usage": None if status == "in_progress" else {
+                    "input_tokens": n, "input_tokens_details": {"cached_tokens": 0},
+                    "output_tokens": m, "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": n + m}, **{k: self.r.get(k, v) for k, v in _ECHOED.items()}}
+
+    def event(self, type: str, of_last_item: bool = False, **fields) -> str:
+        """An event, as JSON text at once: a snapshot of items that go on growing."""
+        if of_last_item:
+            fields |= {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1}
+        self.num_events += 1
+        return _to_json({"type": type, "sequence_number": self.num_events - 1, **fields})
+
+    def add(self, item: dict) -> list:
+        """The events that finish the item before, then add this one (in progress)."""
+        events = self.done("completed") + [self.event(
+            "response.output_item.added", output_index=len(self.output), item=item)]
+        self.output.append(item)
+        return events
+
+    def done(self, status: str) -> list:
+        """The events that finish the last item, if it is in progress."""
+        if not self.output or (item := self.output[-1])["status"] != "in_progress":
+            return []
+        item["status"], part = status, (item.get("content") or [None])[0]   # a message's text
+        events = [self.event("response.output_text.done", True, content_index=0, logprobs=[],
+                             text=part["text"]),
+                  self.event("response.content_part.done", True, content_index=0, part=part),
+                  ] if part else [self.event("response.function_call_arguments.done", True,
+                                             name=item["name"], arguments=item["arguments"])]
+        return events + [self.event("response.output_item.done",
+                                    output_index=len(self.output) - 1, item=item)]
+
+    def events(self, choice: dict) -> list:
+        """The events that one chat chunk stands for."""
+        delta, events = choice["delta"], []
+        if text := delta.get("content"):
+            if not self.output or self.output[-1]["type"] != "message":
+                events += self.add({"id": "msg_" + uuid.uuid4().hex, "type": "message",
+                                    "role": "assistant", "status": "in_progress", "content": []})
+                part = {"type": "output_text", "text": "", "annotations": []}
+                self.output[-1]["content"].append(part)
+                events.append(self.event("response.content_part.added", True, content_index=0,
+                                         part=part))
+            self.output[-1]["content"][0]["text"] += text
+            events.append(self.event("response.output_text.delta", True, content_index=0,
+                                     delta=text, logprobs=[]))
+        for call in delta.get("tool_calls", []):
+            if "id" in call:                      # a call's first delta names it
+                events += self.add({"id": "fc_" + uuid.uuid4().hex, "type": "function_call",
+                                    "status": "in_progress", "call_id": call["id"],
+                                    "name": call["function"]["name"], "arguments": ""})
+            if arguments := call["function"].get("arguments"):
+                self.output[-1]["arguments"] += arguments
+                events.append(self.event("response.function_call_arguments.delta", True,
+                                         delta=arguments))
+        if choice["finish_reason"] is not None:   # "length": cut short by max_output_tokens
+            self.status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+            events += self.done(self.status)
+        return events
+
+    async def stream(self, chunks, include_usage: bool, write):
+        """Created, in_progress, each chunk's events, then completed or incomplete (or error)."""
+        for kind in ("created", "in_progress"):
+            await write(self.event(f"response.{kind}", response=self.response()))
+        async with contextlib.aclosing(chunks):
+            try:
+                async for choice in chunks:
+                    for event in self.events(choice) if choice is not None else []:
+                        await write(event)
+                await write(self.event(f"response.{self.status}", response=self.response()))
+            except APIError as e:             # a bug here ends the stream, logged by uvicorn
+                await write(self.event("error", **e.body))
+
+    async def body(self, chunks, request: Request) -> Optional[dict]:
+        """One response object. None if the client hangs up first (as in _Shape.body)."""
+        async with contextlib.aclosing(chunks):
+            async for choice in chunks:
+                if await request.is_disconnected():
+                    return None
+                if choice is not None:
+                    self.events(choice)
+        return self.response()
 
 # ---------------------------------------------------------------------------
 # Chapter: faults

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import gc
 import importlib.util
+import itertools
 import json
 import multiprocessing
 import os
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import types
+import typing
 
 import httpx
 import llguidance
@@ -2225,6 +2227,7 @@ def test_api_key(keyed_server):
     assert httpx.get(url + "/health").status_code == 200
     for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}]:
         assert_error(httpx.get(url + "/v1/models", headers=headers), 401)
+        assert_error(httpx.post(url + "/v1/responses", json={"input": "hi"}, headers=headers), 401)
     with pytest.raises(APIStatusError) as e:
         OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.status_code == 401
@@ -2678,15 +2681,298 @@ def test_schema_definitions_are_names_and_branches_stay_open(smol_llm):
     assert matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
 
 
-def test_responses_api_gets_an_error_that_says_why(server, client):
-    """The Responses API (the OpenAI Agents SDK's default) is not served: a 404 in OpenAI's
-    shape that names what is (the README shows the Agents SDK's switch to chat completions)."""
-    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=30)
-    error = assert_error(r, 404)
-    assert "/v1/chat/completions" in error["message"] and "/v1/responses" in error["message"]
+# -- the Responses API: a chat request in other words, its answer re-shaped --
+
+R_WEATHER, R_TIME = ({"type": "function", **t["function"]} for t in (WEATHER, TIME))
+ASK_WEATHER = "What is the weather in Paris?"
+
+
+@pytest.fixture
+def nudged(monkeypatch):
+    """The small model, under tool_choice "auto", calls a tool when asked and answers once it
+    has a tool's result: OPEN_A_CALL's bias on the opening of a call, for, then against. (Left
+    alone, it imitates the calls it sees and never answers.) The server runs in this process."""
+    plain = ns.parse_sampling_params
+
+    def parse_sampling_params(f, *args, **kw):
+        if f.get("tool_choice") == "auto":
+            sign = -1 if f["messages"][-1]["role"] == "tool" else 1
+            f = {**f, "logit_bias": {t: sign * b for t, b in OPEN_A_CALL["hermes"].items()}}
+        return plain(f, *args, **kw)
+    monkeypatch.setattr(ns, "parse_sampling_params", parse_sampling_params)
+
+
+def test_responses_equal_their_chat_request(client):
+    """A string, instructions, and a list of items (text parts, a developer message, an earlier
+    call and its output) give the text and usage of the chat request they stand for, greedy. A
+    response that max_output_tokens cuts is incomplete, where the chat's finish_reason is
+    "length". The request's settings are echoed."""
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [
+                 {"type": "input_text", "text": "What time is it"},
+                 {"type": "input_text", "text": "in Tokyo?"}]},
+             {"type": "function_call", "call_id": "1", "name": "get_time",
+              "arguments": '{"zone": "JST"}'},
+             {"type": "function_call_output", "call_id": "1", "output": "9:00"}]
+    as_chat = [{"role": "system", "content": "Be brief."},
+               {"role": "user", "content": "What time is it\nin Tokyo?"}, *EARLIER_CALL[1:3]]
+    statuses = set()
+    for kw, messages in [
+            (dict(input="What is the capital of France?"),
+             [{"role": "user", "content": "What is the capital of France?"}]),
+            (dict(input="Say hi.", instructions="Answer in French."),
+             [{"role": "system", "content": "Answer in French."},
+              {"role": "user", "content": "Say hi."}]),
+            (dict(input=items, tools=[R_TIME], tool_choice="none"), as_chat)]:
+        r = client.responses.create(model=MODEL, temperature=0, max_output_tokens=12, **kw)
+        tools = dict(tools=[TIME], tool_choice="none") if "tools" in kw else {}
+        c = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                           max_tokens=12, **tools)
+        print(r.status, repr(r.output_text))
+        assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+        [message] = r.output
+        assert message.type == "message" and message.role == "assistant"
+        assert message.id.startswith("msg_") and message.status == r.status
+        assert r.output_text == c.choices[0].message.content != ""
+        assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == \
+            (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
+        if c.choices[0].finish_reason == "stop":
+            assert r.status == "completed" and r.incomplete_details is None
+        else:
+            assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert (r.temperature, r.max_output_tokens, r.instructions, r.parallel_tool_calls) == \
+            (0, 12, kw.get("instructions"), True)
+        assert r.tool_choice == kw.get("tool_choice", "auto") and len(r.tools) == len(kw.get(
+            "tools", []))
+        statuses.add(r.status)
+    assert statuses == {"completed", "incomplete"}
+
+
+def outputs(response) -> list:
+    """A response's items as (type, status, name, text or arguments), less their ids."""
+    return [(item.type, item.status, getattr(item, "name", None), getattr(item, "arguments", None)
+             or "".join(part.text for part in item.content)) for item in response.output]
+
+
+def test_responses_stream(client):
+    """stream=True sends the Responses events in OpenAI's order, numbered from 0: an item is
+    added, grows by deltas and is done before the next. They end with the response that a
+    request without stream gets, text or a call, incomplete or not. The SDK's stream helper
+    grows the same text from the deltas, and its final response is the same."""
+    text = ["response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added", "response.output_text.delta",
+            "response.output_text.done", "response.content_part.done",
+            "response.output_item.done"]
+    call = [*text[:3], "response.function_call_arguments.delta",
+            "response.function_call_arguments.done", "response.output_item.done"]
+    for kw, order in [(dict(input="What is the capital of France?", max_output_tokens=20), text),
+                      (dict(input="Name three fruits.", max_output_tokens=12), text),
+                      (dict(input=ASK_WEATHER, tools=[R_WEATHER, R_TIME], tool_choice="required",
+                            max_output_tokens=60), call)]:
+        whole = client.responses.create(model=MODEL, temperature=0, **kw)
+        events = list(client.responses.create(model=MODEL, temperature=0, stream=True, **kw))
+        types = [t for t, _ in itertools.groupby(e.type for e in events)]  # a run of deltas: one
+        print(whole.status, types)
+        assert types == order + [f"response.{whole.status}"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert outputs(events[-1].response) == outputs(whole)
+        assert events[-1].response.usage == whole.usage
+        with client.responses.stream(model=MODEL, temperature=0, **kw) as s:
+            helped = list(s)
+        grown = [e.snapshot for e in helped if e.type.endswith(".delta")][-1]
+        assert grown == (whole.output_text or whole.output[0].arguments)
+        if whole.status == "completed":
+            assert outputs(s.get_final_response()) == outputs(whole)
+
+
+def test_responses_stream_ends_with_an_error_event():
+    """An error after the first byte (the chat chunks raise, as when the engine core dies) ends
+    the stream with an event numbered like the rest, in OpenAI's error shape, which the openai
+    SDK raises."""
+    async def chunks():
+        yield {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
+        raise ns.APIError(500, "the engine core died", "internal_error")
+
+    async def write(data):
+        written.append(json.loads(data))
+    chat = types.SimpleNamespace(num_prompt_tokens=3, num_completion_tokens=1, chunks=None,
+                                 server=types.SimpleNamespace(model_name=MODEL))
+    written = []
+    asyncio.run(ns._ResponsesShape(chat, {}).stream(chunks(), False, write))
+    assert [e["type"] for e in written] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "error"]
+    assert [e["sequence_number"] for e in written] == list(range(6))
+    assert written[-1]["error"]["message"] == "the engine core died"
+
+
+def test_responses_client_that_leaves_ends_its_request(server, client):
+    """A client that leaves has its request aborted within a step or so, streamed or not, not
+    run to max_output_tokens. Its text.format asks for 400 numbers, so it cannot end sooner."""
+    numbers = {"type": "json_schema", "name": "numbers", "schema": {
+        "type": "object", "required": ["numbers"], "properties": {"numbers": {
+            "type": "array", "items": {"type": "integer"}, "minItems": 400}}}}
+    kw = dict(model=MODEL, input="Count to 400.", text={"format": numbers}, temperature=0,
+              max_output_tokens=2000)
+    tokens = "nanoserve_generated_tokens_total"
+    before = wait_idle(server)[tokens]
+    stream = client.responses.create(stream=True, **kw)
+    for _, event in zip(range(8), stream):           # created, in_progress, ..., some deltas
+        pass
+    stream.close()
+    streamed = wait_idle(server, timeout=60)[tokens] - before
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/responses", json=kw, timeout=2)
+    whole = wait_idle(server, timeout=60)[tokens] - before - streamed
+    print(f"{streamed} tokens streamed, {whole} generated for a body, before each client left")
+    assert 0 < streamed < 200 and 0 < whole < 200
+
+
+def test_responses_function_calls(client, nudged):
+    """A named tool, "required" and "auto" (the small model nudged) come back as function_call
+    items whose arguments fit the tool's parameters. The call and its output, sent back as
+    items, are answered in text."""
+    for choice, name in [({"type": "function", "name": "get_time"}, "get_time"),
+                         ("required", None), ("auto", None)]:
+        r = client.responses.create(model=MODEL, input=ASK_WEATHER, tools=[R_WEATHER, R_TIME],
+                                    tool_choice=choice, parallel_tool_calls=False,
+                                    temperature=0, max_output_tokens=60)
+        print(choice, "->", r.output)
+        [call] = r.output
+        assert call.type == "function_call" and call.status == "completed" == r.status
+        assert call.id.startswith("fc_") and (name is None or call.name == name)
+        check_weather_call(types.SimpleNamespace(type="function", id=call.call_id,
+                                                 function=call), call.name)
+    turns = [{"role": "user", "content": ASK_WEATHER}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id,
+              "output": "sunny, 21 degrees"}]
+    r = client.responses.create(model=MODEL, input=turns, tools=[R_WEATHER, R_TIME],
+                                temperature=0, max_output_tokens=8)
+    print("answer:", r.output)
+    assert [item.type for item in r.output] == ["message"] and r.output_text
+
+
+def test_responses_text_format(client):
+    """text.format constrains the output as chat's response_format does: the same greedy
+    answer to a strict JSON schema, any JSON object, and client.responses.parse's object."""
+    pydantic = pytest.importorskip("pydantic")
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    r = client.responses.create(model=MODEL, input=ASK_PERSON[0]["content"], temperature=0,
+                                text={"format": fmt}, max_output_tokens=200)
+    c = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, temperature=0,
+                                       response_format=PERSON_FORMAT, max_tokens=200)
+    print(r.output_text)
+    assert r.output_text == c.choices[0].message.content and r.status == "completed"
+    check_person(r.output_text)
+    assert r.text.format.name == "person"
+    r = client.responses.create(model=MODEL, input=ASK_PERSON[0]["content"], temperature=0,
+                                text={"format": {"type": "json_object"}}, max_output_tokens=100)
+    assert r.status == "incomplete" or isinstance(json.loads(r.output_text), dict)
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        population: int
+
+    r = client.responses.parse(model=MODEL, input="Describe Paris.", text_format=City,
+                               temperature=0, max_output_tokens=60)
+    print(r.output_parsed)
+    assert isinstance(r.output_parsed, City)
+
+
+RESPONSES_REFUSED = [   # (fields, the param the 400 names)
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"top_logprobs": 2}, "top_logprobs"),                # not served: never ignored
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "9:00"}]}, "input[0].call_id"),
+    ({"input": [{"role": "tool", "content": "9:00"}]}, "input[0].role"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{**R_TIME, "name": "get time"}]}, "tools[0].name"),
+    ({"tools": [R_TIME], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}}}, "text.format.schema"),
+    ({"input": []}, "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {   # chat's check, by
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}}, "response_format"),  # its name
+]
+
+
+def test_responses_refused_fields(server, client):
+    """Fields that would change the output and are not served are refused with a 400 that names
+    them by their path in the Responses body (a schema that only the chat handler's grammar
+    check refuses is named as chat names it). previous_response_id's 400 says to send the whole
+    conversation. Fields that change nothing are accepted. A wrong model name is a 404, as on
+    every route, and an unknown path's 404 names /v1/responses among the served routes."""
+    url = server.url + "/v1/responses"
+    for fields, param in RESPONSES_REFUSED:
+        r = httpx.post(url, timeout=30, json={"input": "hi", "max_output_tokens": 2, **fields})
+        error = assert_error(r, 400)
+        assert error["param"] == param, (fields, error)
+    error = assert_error(httpx.post(url, json={"input": "hi", "max_output_tokens": 10**5}), 400)
+    assert "100000" in error["message"], error
     with pytest.raises(APIStatusError) as e:
-        client.responses.create(model=MODEL, input="hi")
-    assert e.value.status_code == 404 and "/v1/chat/completions" in e.value.message
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    assert e.value.status_code == 400 and "whole conversation" in e.value.message
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=True,
+                                metadata={"a": "b"}, user="u1", service_tier="auto",
+                                reasoning={"effort": "low"}, include=[],
+                                text={"format": {"type": "text"}, "verbosity": "low"})
+    assert r.output_text and r.metadata == {"a": "b"}
+    error = assert_error(httpx.post(url, json={"model": "gpt-5", "input": "hi"}), 404)
+    assert error["code"] == "model_not_found" and MODEL in error["message"]
+    error = assert_error(httpx.post(server.url + "/v1/nothing", json={}), 404)
+    assert "/v1/chat/completions" in error["message"] and "/v1/responses" in error["message"]
+
+
+def test_openai_agents_sdk_on_its_defaults(server, nudged):
+    """The OpenAI Agents SDK with its default model class (the Responses API) and a function
+    tool, pointed at the server and naming the served model: the agent calls the tool, sends
+    back its output and answers, streamed and not. Its own default model is a 404."""
+    agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents) is "
+                                                  "not installed")
+    from agents.models.openai_provider import OpenAIProvider
+    from pydantic import Field
+    cities = []
+
+    @agents.function_tool
+    def get_weather(city: typing.Annotated[str, Field(max_length=20)]) -> str:   # as WEATHER's:
+        # the nudge's "_" would fill an unbounded string
+        """The weather in a city."""
+        cities.append(city)
+        return "sunny, 21 degrees"
+
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    config = agents.RunConfig(model_provider=OpenAIProvider(openai_client=client),
+                              tracing_disabled=True)     # traces would go to OpenAI
+    agent = agents.Agent(name="weather", instructions="You answer questions about the weather.",
+                         model=MODEL, tools=[get_weather],
+                         model_settings=agents.ModelSettings(temperature=0, max_tokens=100))
+
+    async def run():
+        result = await agents.Runner.run(agent, ASK_WEATHER, run_config=config)
+        streamed = agents.Runner.run_streamed(agent, ASK_WEATHER, run_config=config)
+        events = [e.data.type async for e in streamed.stream_events()
+                  if e.type == "raw_response_event"]
+        with pytest.raises(APIStatusError) as e:
+            await agents.Runner.run(agent.clone(model=None), ASK_WEATHER, run_config=config)
+        return result, streamed, events, e.value
+    result, streamed, events, error = asyncio.run(run())
+    print(cities, repr(result.final_output), repr(streamed.final_output))
+    assert cities and all(isinstance(c, str) and 0 < len(c) <= 20 for c in cities)
+    for r in (result, streamed):                  # a call or more (parallel), then the answer
+        kinds = [item.type for item in r.new_items]
+        assert kinds.count("tool_call_item") == kinds.count("tool_call_output_item") >= 1
+        assert kinds[-1] == "message_output_item", kinds
+    assert result.final_output and streamed.final_output == result.final_output
+    assert "response.function_call_arguments.delta" in events
+    assert "response.output_text.delta" in events
+    assert error.status_code == 404 and MODEL in error.message
 
 
 # -- tool_choice "auto": each format's parser, and calls kept valid by the grammar --
