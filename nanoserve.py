@@ -1,10 +1,11 @@
 """nanoserve: a whole LLM inference engine in one file.
 
-This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engines do, small
-enough to read in an afternoon: a paged KV cache with a block allocator and prefix caching, a
-continuous-batching scheduler that mixes chunked prefills and decodes in one step, batched sampling
-with grammars for structured output, each step's forward pass replayed as one CUDA graph, and an
-OpenAI-compatible HTTP server with SSE streaming. The kernels live next door in paged_attention.py.
+This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engines do: a paged
+KV cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes
+chunked prefills and decodes in one step, batched sampling with grammars for structured output,
+each step's forward pass replayed as one CUDA graph, and an OpenAI-compatible HTTP server with
+SSE streaming. The kernels live next door in paged_attention.py. Its part one, the engine every
+request goes through, reads in an afternoon; the chapters after it take about as long again.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
 no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA, beam
@@ -24,10 +25,11 @@ bottom (README.md's reading path times each stop). A request enters at the HTTP 
 LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Sequence, is
 scheduled step by step into a flat batch, runs through Model.forward and is sampled. Its token
 ids go back to the FrontEnd, which turns them into text. Then come the chapters, one per feature
-a request may or may not meet (prefix caching, the burst rule, speculative decoding, structured
-output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights, the rest of
-the OpenAI API, the Responses API, faults). Each enters part one through seams, lines labelled
-"# chapter: NAME" that do nothing while it is off.
+a request may or may not meet, or that part one can be read without (async scheduling, CUDA
+graphs, the engine core process, prefix caching, the burst rule, speculative decoding,
+structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights,
+the rest of the OpenAI API, the Responses API, faults). Each enters part one through seams,
+lines labelled "# chapter: NAME" that do nothing while it is off.
 """
 
 from __future__ import annotations
