@@ -1195,7 +1195,7 @@ class RequestState:
         self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
         # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
-        self.prefix_offset = self.read_offset = 0         # [prefix, read): shown, kept as context
+        self.prefix_offset = self.read_offset = self.num_read_chars = 0   # [prefix, read): shown
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
@@ -1280,12 +1280,12 @@ class FrontEnd:
         """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
         string ended, for the engine core to abort. Tokens computed past the stop are dropped: one
         in-process, a few more behind the server, where tokens and abort cross a pipe each."""
-        now, changed = time.perf_counter(), {}   # request id -> (state, its tokens, its chars)
+        now, changed = time.perf_counter(), {}   # request id -> (state, its chars before)
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:                  # ended here already (stop string, abort)
                 continue
-            changed.setdefault(out.request_id, (state, len(state.token_ids), len(state.text)))
+            changed.setdefault(out.request_id, (state, len(state.text)))
             state.first_token_time = state.first_token_time or now
             state.num_cached_tokens = out.num_cached_tokens
             state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
@@ -1293,21 +1293,19 @@ class FrontEnd:
             if out.token_id is not None:
                 state.token_ids.append(out.token_id)
                 state.logprobs += [out.logprobs] if out.logprobs else []
-        states = [state for state, *_ in changed.values()]
-        self._detokenize([s for s in states if s.incremental and not s.error])
+        states = [state for state, _ in changed.values()]
+        self._detokenize([s for s in states if s.incremental or s.finish_reason])   # or at the end
         stopped = []
-        for state, num_tokens, num_chars in changed.values():   # as they were before this call
+        for state, num_chars in changed.values():
             # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
             if state.params.stop and not state.error and \
-                    self._truncate_at_stop_string(state, num_chars, num_tokens):
+                    self._truncate_at_stop_string(state, num_chars):
                 if state.finish_reason is None:        # the engine core still runs it
                     stopped.append(state.request_id)
                 state.finish_reason = "stop"
             if state.finish_reason is not None:
                 del self.states[state.request_id]
                 state.finish_time = now
-                if not state.incremental and self.tokenizer is not None:
-                    state.text = self.decode(state.token_ids)
         return states, stopped
 
     def decode(self, token_ids: list) -> str:
@@ -1319,19 +1317,21 @@ class FrontEnd:
         render differently after another (a leading space). Then they are decoded with the new
         ones. Say tokens 0-4 are shown (offsets 3, 5), and 5-6 arrive. decode(3:5) = "ab" and
         decode(3:) = "abcd", so "cd" is added, and the offsets become 5, 7. Text that ends in
-        U+FFFD (half a character) waits for the next token."""
+        U+FFFD (half a character) is added up to it, and the offsets wait for the token that
+        ends it (num_read_chars: len(text) when they last moved). At the end, all is added."""
         if self.tokenizer is None or not states:
             return
         windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
                                                 s.token_ids[s.prefix_offset:])]
         texts = self.tokenizer.decode_batch(windows, skip_special_tokens=True)
         for s, before, after in zip(states, texts[0::2], texts[1::2]):
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                s.text += after[len(before):]
+            done = after if s.finish_reason else after.rstrip("\ufffd")   # whole characters
+            s.text += done[len(before) + len(s.text) - s.num_read_chars:]
+            if len(after) > len(before) and done == after:   # no half character: move on
                 s.prefix_offset, s.read_offset = s.read_offset, len(s.token_ids)
+                s.num_read_chars = len(s.text)
 
-    def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int,
-                                 num_old_tokens: int = 0) -> bool:
+    def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int) -> bool:
         """Cut the text at the earliest stop string; a new match ends inside this call's text.
         Several tokens may arrive in one call (steps batched behind the server, or a chapter's
         accepted drafts). Those after the token that completes the stop string are cut too, with
@@ -1341,10 +1341,9 @@ class FrontEnd:
         if not matches:
             return False
         first, end = min(matches)
-        n = num_old_tokens + 1                 # the fewest tokens whose text holds the match
-        while n < len(state.token_ids) and \
-                not self.decode(state.token_ids[:n]).startswith(state.text[:end]):
-            n += 1
+        n = len(state.token_ids)   # walk back to the fewest whose text holds the match
+        while n > 1 and self.decode(state.token_ids[:n - 1]).startswith(state.text[:end]):
+            n -= 1
         del state.token_ids[n:], state.logprobs[n:]
         state.text = state.text[:first]
         return True

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import random
 import re
 import select
 import signal
@@ -698,6 +699,61 @@ def test_stop_string_cuts_tokens_that_arrive_together(smol_llm):
     (state,), stopped = front.process(outs)
     assert stopped == [request.request_id] and state.finish_reason == "stop"
     assert state.text == " to the " and state.token_ids == ids[:3] and len(state.logprobs) == 3
+
+
+# Each emoji is several tokens, so a step's text often ends mid-character.
+EMOJI_PROMPT = "Repeat: 🍎 apple 🍌 banana 🍒 cherry 🍎 apple 🍌 banana 🍒 cherry\n🍎 apple 🍌"
+EMOJI_STOPS = [["zzz"], ["🍒"], ["apple"]]      # never matches; a split character; a word
+
+
+def test_drafts_keep_text_that_ends_mid_character(smol_llm):
+    """With drafts, several tokens arrive at once, and their text may end inside a character.
+    Only that character waits: the text, tokens, log-probs and finish_reason equal plain
+    decoding's for each stop string. A stop string that never matches leaves the whole text,
+    as decode gives it without one (the held-back end is released when the request ends)."""
+    spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, num_speculative_tokens=4)
+    whole = smol_llm.generate(EMOJI_PROMPT, ns.SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "\ufffd" in smol_llm.front.decode(whole.token_ids[:2]), "no split character"
+    for stop in EMOJI_STOPS:
+        params = ns.SamplingParams(temperature=0, max_tokens=24, stop=stop, logprobs=0)
+        ref, out = smol_llm.generate(EMOJI_PROMPT, params)[0], spec.generate(EMOJI_PROMPT, params)[0]
+        print(stop, repr(ref.text), repr(out.text))
+        assert (out.text, out.token_ids, out.finish_reason) == \
+            (ref.text, ref.token_ids, ref.finish_reason), stop
+        assert [lp for lp, _ in out.logprobs] == pytest.approx([lp for lp, _ in ref.logprobs],
+                                                                abs=1e-4)
+    assert smol_llm.generate(EMOJI_PROMPT, ns.SamplingParams(
+        temperature=0, max_tokens=24, stop=["zzz"]))[0].text == whole.text
+    assert spec.stats()["spec_decode_num_accepted_tokens_total"] > 0
+    check_pool_is_free(spec.engine)
+
+
+def test_stop_strings_whatever_the_tokens_per_call(smol_llm):
+    """Behind the server a call of FrontEnd.process may bring any number of tokens (steps
+    batched, accepted drafts). The text, tokens, log-probs and finish_reason are the same
+    whatever the split: one token a call, or runs of 2 to 7 that end mid-character."""
+    front, rng = smol_llm.front, random.Random(0)
+    ids = smol_llm.generate(EMOJI_PROMPT, ns.SamplingParams(temperature=0, max_tokens=24))[0]
+    ids = ids.token_ids
+
+    def run(stop, sizes):
+        request = front.add([1, 2], ns.SamplingParams(max_tokens=len(ids), stop=stop, logprobs=0))
+        outs = [ns.EngineCoreOutput(request.request_id, t, logprobs=(-i, {t: -i}))
+                for i, t in enumerate(ids)]
+        outs[-1].finish_reason = "length"
+        start, state = 0, None
+        for n in sizes:
+            changed, _ = front.process(outs[start:start + n])
+            state, start = changed[0] if changed else state, start + n
+            if state is not None and state.finish_reason is not None:
+                break
+        return state.text, state.token_ids, state.logprobs, state.finish_reason
+
+    for stop in EMOJI_STOPS:
+        one_at_a_time = run(stop, [1] * len(ids))
+        print(stop, one_at_a_time[0], len(one_at_a_time[1]))
+        for _ in range(20):
+            assert run(stop, [rng.randint(2, 7) for _ in ids]) == one_at_a_time, stop
 
 
 def test_seeded_draws_ignore_drafts_and_batch(smol_llm):
