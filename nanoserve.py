@@ -1188,7 +1188,7 @@ class Delta:
 class RequestState:
     """One request as the front end sees it; LLM.generate returns these (vLLM's RequestOutput)."""
     def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams,
-                 incremental: bool, index: int = 0):
+                 incremental: bool, index: int = 0, queue: Optional[asyncio.Queue] = None):
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
         self.index = index                # which of a server request's choices
         self.incremental = incremental or bool(params.stop)  # text per step, not at the end
@@ -1201,7 +1201,7 @@ class RequestState:
         self.first_token_time = self.finish_time = None
         # chapter: the rest of the OpenAI API (the server's latency clock, for /metrics)
         self.last_token_time, self.num_timed_tokens = None, 0
-        self.queue: Optional[asyncio.Queue] = None   # the server's: _deliver puts each change
+        self.queue = queue                # the server's: _deliver puts each change
 
     def take_delta(self) -> Delta:
         """All new since the last call; until the end, less a tail that could grow into a stop."""
@@ -1269,9 +1269,9 @@ class FrontEnd:
                              f"({self.num_blocks} blocks of {self.cfg.block_size})")
 
     def add(self, prompt_ids: list, params: SamplingParams, incremental: bool = True,
-            index: int = 0) -> EngineCoreRequest:
+            index: int = 0, queue=None) -> EngineCoreRequest:
         """Track a checked request; return what to send the engine core."""
-        state = RequestState(uuid.uuid4().hex, prompt_ids, params, incremental, index)
+        state = RequestState(uuid.uuid4().hex, prompt_ids, params, incremental, index, queue)
         self.states[state.request_id] = state
         return EngineCoreRequest(state.request_id, prompt_ids, params)
 
@@ -1500,10 +1500,9 @@ class EngineCoreClient:
         RequestState at each change until all finish. However the caller stops (done, client
         gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
-        requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
+        requests = [self.front.add(ids, p, index=i, queue=changed)
+                    for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
-        for request_id in unfinished:
-            self.front.states[request_id].queue = changed
         try:
             if self.error:                          # died since the handler checked
                 fail_all(self)                      # chapter: faults
