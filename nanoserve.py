@@ -1225,6 +1225,8 @@ def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
         raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
     if p.top_k == 0 or p.top_k < -1:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {p.top_k}")
+    if p.seed is not None and (type(p.seed) is not int or not -2**63 <= p.seed < 2**64):
+        raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, got {p.seed!r}")
     check_logit_params(p, vocab_size)                  # chapter: log-probs and logit edits
     check_grammar(p.grammar)                                   # chapter: structured output
 

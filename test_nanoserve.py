@@ -1076,6 +1076,21 @@ def test_sampling_params_errors_name_the_field():
     assert not ns.SamplingParams(logit_bias={"5": 1}).needs_output_history
 
 
+def test_a_bad_seed_is_refused_before_anything_is_queued(smol_llm):
+    """A seed that torch.Generator.manual_seed does not take (out of its range, or not an int)
+    is checked with the other sampling parameters: generate refuses it, naming the range, before
+    it queues any request. The range's ends are taken."""
+    good = ns.SamplingParams(temperature=0, max_tokens=2)
+    for seed in (2 ** 64, -2 ** 63 - 1, 1.5, True):
+        with pytest.raises(ValueError, match=r"^seed must be an integer from -2\*\*63 to "
+                                             r"2\*\*64 - 1"):
+            smol_llm.generate(["Hello", "Hi"], [good, ns.SamplingParams(max_tokens=2, seed=seed)])
+        assert not smol_llm.engine.has_unfinished() and not smol_llm.front.states, seed
+    ends = [ns.SamplingParams(max_tokens=2, seed=seed) for seed in (-2 ** 63, 2 ** 64 - 1)]
+    assert [len(o.token_ids) for o in smol_llm.generate(["Hello", "Hi"], ends)] == [2, 2]
+    check_pool_is_free(smol_llm.engine)
+
+
 # ---------------------------------------------------------------------------
 # Prompt log-probs (what log-likelihood evaluations read)
 
