@@ -82,7 +82,7 @@ def _flag(default, help: str, flag: Optional[str] = None):
 @dataclass
 class Config:
     # -- engine settings: each one is a CLI flag --
-    model: str = _flag(DEFAULT_MODEL, "model folder: config.json, *.safetensors, tokenizer.json")
+    model: str = _flag(DEFAULT_MODEL, "folder of config.json, model.safetensors, tokenizer.json")
     device: str = _flag("auto", "cuda or cpu (auto: cuda when there is one)")
     dtype: str = _flag("auto", "float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)")
     attention: str = _flag("auto", "paged-attention implementation: triton, sdpa or torch "
@@ -232,9 +232,9 @@ def _progress(msg: str, end: bool = False):
 def load_weights(model: nn.Module, cfg: Config):
     """Copy every checkpoint tensor into its slice; fail on anything missing or extra."""
     from safetensors import safe_open
-    files = sorted(Path(cfg.model).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors file in {cfg.model!r}")
+    index = Path(cfg.model, "model.safetensors.index.json")   # as transformers: not consolidated.*
+    names = json.loads(index.read_text())["weight_map"].values() if index.is_file() else []
+    files = [Path(cfg.model, name) for name in sorted({*names} or {"model.safetensors"})]
     params, num_done = dict(model.named_parameters()), 0
     num_rows_loaded = dict.fromkeys(params, 0)
     for path in files:

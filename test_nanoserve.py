@@ -288,6 +288,31 @@ def test_unknown_families_and_sliding_windows_are_refused(mistral, tmp_path):
     assert Config(model=str(tmp_path), device="cpu", max_model_len=256).max_model_len == 256
 
 
+def test_only_the_models_own_weight_files_are_read(mistral, tmp_path):
+    """A Mistral folder fetched with the hub's own tools also holds consolidated.safetensors: the
+    same weights under Mistral's own names. The loader reads the files transformers reads, and
+    no other: model.safetensors, or the shards that model.safetensors.index.json lists. Both
+    kinds of folder, with a consolidated file beside them, give the checkpoint's greedy tokens."""
+    from safetensors.torch import save_file
+    path, hf = mistral
+    params = ns.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(3, 19))
+    ref = ns.LLM(path, device="cpu", num_blocks=16).generate(prompt, params)[0].token_ids
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    whole.mkdir()
+    for name in os.listdir(path):
+        (whole / name).symlink_to(os.path.join(path, name))
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    mistral_names = {"tok_embeddings.weight": hf.model.embed_tokens.weight,
+                     "layers.0.attention.wq.weight": hf.model.layers[0].self_attn.q_proj.weight}
+    for folder in (whole, sharded):
+        save_file({k: v.detach().clone() for k, v in mistral_names.items()},
+                  str(folder / "consolidated.safetensors"))
+        llm = ns.LLM(str(folder), device="cpu", num_blocks=16)
+        assert llm.generate(prompt, params)[0].token_ids == ref, folder.name
+
+
 SMOL_PROMPTS = ["The capital of France is",
                 "def fibonacci(n):",
                 "Once upon a time, in a small village by the sea, there lived an old fisherman "
