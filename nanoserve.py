@@ -1020,7 +1020,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.launched: Optional[LaunchedStep] = None  # on the device, tokens not read yet
-        self.committed: list = []          # the outputs step's _commit made (fail_running too)
+        self.committed: list = []   # the step in progress's outputs, each as made (fail_running)
         self.num_generated_tokens = 0                      # for /metrics
 
     def add_request(self, request: EngineCoreRequest):
@@ -1095,7 +1095,7 @@ class EngineCore:
         host = [t.tolist() for t in step.host]   # tokens (B,), then log-probs: (B,), (B, k), (B, k)
         tokens = host[0] if host else []
         self.runner.grammar_masks.follow(step.seqs, tokens)         # chapter: structured output
-        outputs, rows = [], iter(zip(step.seqs, zip(*host)))   # a row: its token, then log-probs
+        outputs, rows = self.committed, iter(zip(step.seqs, zip(*host)))   # a row: token, log-probs
         # chapter: speculative decoding (a step with drafts keeps some of each row's; without
         # drafts each row is kept alone, with no call per row)
         accept = self.scheduler.speculation.accept if step.batch.draft_token_ids else None
@@ -1106,13 +1106,13 @@ class EngineCore:
                     outputs.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
             name_computed_blocks(self.scheduler, seq)   # chapter: prefix caching (none if finished)
-        self.num_generated_tokens += len(outputs)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
         """One read-back token into its sequence, and the output reporting it; ends the sequence if
         the token finishes it. logprobs: the token's row of log-probs, if the step computed any."""
         seq.token_ids.append(token)
+        self.num_generated_tokens += 1
         keep = seq.params.max_tokens > 0     # 0: the prompt is only scored (prompt log-probs)
         out = EngineCoreOutput(seq.request_id, token if keep else None,
                                num_cached_tokens=seq.num_cached_tokens)
@@ -3192,8 +3192,9 @@ class ServerMetrics:
 # Chapter: faults
 # A fault ends the requests it touches, with finish_reason "error", and nothing else. A step
 # that raises fails the running requests (fail_running): the engine core process and the LLM go
-# on with the waiting ones. An engine core process that dies fails every request in flight, and
-# the server stays up to say so (engine_died).
+# on with the waiting ones. The outputs the step made before it raised still go out first
+# (EngineCore.committed), so a request it finished keeps its end. An engine core process that
+# dies fails every request in flight, and the server stays up to say so (engine_died).
 # Ctrl-C sends SIGINT to every process of the terminal's group: the server or the LLM's process,
 # the engine core, and the tensor-parallel workers alike. Only the parent acts on it. It stops its
 # children by closing their pipes, which they read as EOF. Three helpers keep that true at every
@@ -3210,8 +3211,8 @@ class ServerMetrics:
 def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) -> list:
     """A step raised. Every running sequence ends in error, and its blocks are freed. Waiting
     ones stay queued (unless `waiting`), none with a pending token, since the launched step is
-    dropped unread. The outputs the step had read back come first in the list: a request they
-    finish runs no more, so they are its last."""
+    dropped unread. The outputs the step had made come first in the list, those of _commit's
+    rows before a fault there too: a request they finish runs no more, so they are its last."""
     core.launched = None
     stop_out_of_step(core.runner.workers, error)       # chapter: tensor parallelism
     failed = [s for s in core.seqs.values() if waiting or s.status == "running"]

@@ -468,6 +468,50 @@ def test_failed_launch_keeps_what_the_step_before_sampled(smol_llm, monkeypatch)
     check_pool_is_free(smol_llm.engine)
 
 
+@pytest.mark.parametrize("where", ["_append_token", "accept"])
+def test_faults_inside_commit_lose_no_request(tiny, monkeypatch, where):
+    """A fault at any row of _commit's loop fails the running requests (fail_running) and no
+    other: a request that an earlier row of the same loop finished keeps its end, where behind
+    the server its client would wait for ever. A small fuzz: 40 requests of 1 to 12 tokens, with
+    drafts, arriving a few at each step, and faults at random rows of the loop, in appending a
+    token or accepting drafts. Every request ends, none is lost, and every block is back."""
+    llm = ns.LLM(tiny[0], device="cpu", num_blocks=128, block_size=8, num_speculative_tokens=2)
+    engine, rng = llm.engine, random.Random(0)
+    monkeypatch.setattr(ns.NgramIndex, "propose", lambda self, token_ids, k: token_ids[-k:])
+    owner = engine if where == "_append_token" else engine.scheduler.speculation
+    row = getattr(owner, where)
+
+    def faulty(*args):
+        if rng.random() < 0.04:
+            raise RuntimeError("injected failure")
+        return row(*args)
+    monkeypatch.setattr(owner, where, faulty)
+    monkeypatch.setattr(engine.cfg, "max_num_seqs", 8)
+    states, num_faults = [], 0
+    for _ in range(500):           # bounded: a lost request would loop for ever behind a server
+        while len(states) < 40 and rng.random() < 0.5:     # a few arrive at each step
+            states.append(llm.add([rng.randrange(3, 512) for _ in range(rng.randint(2, 20))],
+                                  ns.SamplingParams(temperature=0, max_tokens=rng.randint(1, 12),
+                                                    ignore_eos=True)))
+        if len(states) == 40 and not engine.has_unfinished():
+            break
+        try:
+            outputs = engine.step()
+        except RuntimeError as e:
+            outputs, num_faults = ns.fail_running(engine, e), num_faults + 1
+        llm.front.process(outputs)
+    lost = [s.request_id for s in states if s.finish_reason is None]
+    ends = [s.finish_reason for s in states]
+    print(f"{num_faults} faults; {ends.count('length')} ended by length, {ends.count('error')} "
+          f"in error, {len(lost)} lost")
+    assert num_faults > 0 and not lost and not llm.front.states
+    assert {"length", "error"} == set(ends)
+    for s in states:
+        assert len(s.token_ids) == s.params.max_tokens if s.finish_reason == "length" else \
+            "injected failure" in s.error
+    check_pool_is_free(engine)
+
+
 @pytest.mark.parametrize("failure", [RuntimeError("injected failure"), KeyboardInterrupt()])
 def test_failed_generate_ends_its_waiting_requests(smol_llm, monkeypatch, failure):
     """A generate whose step raises, or that Ctrl-C stops, ends every one of its requests,
