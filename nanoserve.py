@@ -1074,7 +1074,8 @@ class EngineCore:
                 self.committed = self._commit(prev)
         if self.launched is not None:
             self.runner.sample(self.launched)
-        return self.committed
+        outputs, self.committed = self.committed, []   # handed out: no fault passes them on again
+        return outputs
 
     def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         batch = self.scheduler.schedule()
@@ -1365,18 +1366,17 @@ class LLM:
         return self.front.states[request.request_id]
 
     def run(self):
-        """Step until every request is done, yielding after each step. A step that raises (Ctrl-C
-        too) ends every request in error, running or waiting (fail_running), before it goes on."""
-        while self.engine.has_unfinished():
-            try:
-                outputs = self.engine.step()
-            except BaseException as e:
-                self.front.process(fail_running(self.engine, e, waiting=True))   # chapter: faults
-                raise
-            _, stopped = self.front.process(outputs)
-            for request_id in stopped:
-                self.engine.abort_request(request_id)
-            yield
+        """Step until every request is done, yielding after each step. Whatever stops it first (an
+        error or Ctrl-C anywhere, the caller closing it) ends every request in error (end_run)."""
+        try:
+            while self.engine.has_unfinished():
+                _, stopped = self.front.process(self.engine.step())
+                for request_id in stopped:
+                    self.engine.abort_request(request_id)
+                yield
+        except BaseException as e:   # GeneratorExit too: closed, or dropped by an error in the
+            end_run(self, e)         # caller's loop (CPython closes a dropped generator at once)
+            raise
 
     def generate(self, prompts, params=None) -> list:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -3191,10 +3191,12 @@ class ServerMetrics:
 # ---------------------------------------------------------------------------
 # Chapter: faults
 # A fault ends the requests it touches, with finish_reason "error", and nothing else. A step
-# that raises fails the running requests (fail_running): the engine core process and the LLM go
-# on with the waiting ones. The outputs the step made before it raised still go out first
-# (EngineCore.committed), so a request it finished keeps its end. An engine core process that
-# dies fails every request in flight, and the server stays up to say so (engine_died).
+# that raises fails the running requests (fail_running), and the engine core process goes on
+# with the waiting ones. The outputs the step made before it raised still go out first
+# (EngineCore.committed), so a request it finished keeps its end. LLM.run, however it stops
+# (an error or Ctrl-C anywhere in its loop, a caller that closes it), ends every request it has,
+# waiting ones too (end_run). An engine core process that dies fails every request in flight,
+# and the server stays up to say so (engine_died).
 # Ctrl-C sends SIGINT to every process of the terminal's group: the server or the LLM's process,
 # the engine core, and the tensor-parallel workers alike. Only the parent acts on it. It stops its
 # children by closing their pipes, which they read as EOF. Three helpers keep that true at every
@@ -3204,15 +3206,16 @@ class ServerMetrics:
 # While the engine core loads, it reads no pipe. So a server stopped then (child_stopped_on_error)
 # closes the engine core's outbox instead, which the engine core watches too, and it ends at
 # once with its workers.
-# Seams: LLM.run and run_engine_core (fail_running), EngineCoreClient (child_stopped_on_error,
-# sigint_held; receive and generate: engine_died, fail_all) and run_engine_core (follow_parent);
-# the tensor-parallel workers use the last two alike.
+# Seams: LLM.run (end_run), run_engine_core (fail_running), EngineCoreClient
+# (child_stopped_on_error, sigint_held; receive and generate: engine_died, fail_all) and
+# run_engine_core (follow_parent); the tensor-parallel workers use the last two alike.
 
 def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) -> list:
-    """A step raised. Every running sequence ends in error, and its blocks are freed. Waiting
-    ones stay queued (unless `waiting`), none with a pending token, since the launched step is
-    dropped unread. The outputs the step had made come first in the list, those of _commit's
-    rows before a fault there too: a request they finish runs no more, so they are its last."""
+    """A step raised, or LLM.run stopped (end_run). Every running sequence ends in error, and its
+    blocks are freed. Waiting ones stay queued (unless `waiting`), none with a pending token,
+    since the launched step is dropped unread. The outputs the step had made come first in the
+    list, those of _commit's rows before a fault there too: a request they finish runs no more,
+    so they are its last. (A step that returned has handed its outputs out already.)"""
     core.launched = None
     stop_out_of_step(core.runner.workers, error)       # chapter: tensor parallelism
     failed = [s for s in core.seqs.values() if waiting or s.status == "running"]
@@ -3222,6 +3225,15 @@ def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) 
         seq.num_pending_tokens = 0
     return core.committed + [EngineCoreOutput(s.request_id, None, finish_reason="error",
                              error=f"the engine failed: {error!r}") for s in failed]
+
+def end_run(llm: LLM, error: BaseException):
+    """LLM.run stopped before its requests ended. Every request ends in error, running or waiting
+    (fail_running), so that the next call runs only its own. So does one that the engine core
+    ended but whose output the front end had not read (Ctrl-C while it read)."""
+    outputs = fail_running(llm.engine, error, waiting=True)
+    unread = llm.front.states.keys() - {out.request_id for out in outputs}
+    llm.front.process(outputs + [EngineCoreOutput(request_id, None, finish_reason="error",
+                      error=f"the engine failed: {error!r}") for request_id in unread])
 
 def engine_died(client: EngineCoreClient):
     """The engine core process is gone. Every request in flight ends with an error, and /health

@@ -536,6 +536,47 @@ def test_failed_generate_ends_its_waiting_requests(smol_llm, monkeypatch, failur
     assert smol_llm.stats()["generated_tokens_total"] - before == 5
 
 
+@pytest.mark.parametrize("where", ["detokenize", "abort", "progress", "close"])
+def test_interrupted_run_ends_its_requests(smol_llm, monkeypatch, where):
+    """Ctrl-C anywhere in LLM.run's loop, not only in a step, ends every request of the call,
+    running or waiting (two seats: two of four wait). It may come while the front end
+    detokenizes, while a request that a stop string ended is aborted, or at generate's progress
+    line; a caller may also close the loop. The next generate runs only its own: 5 tokens."""
+    engine, front, calls = smol_llm.engine, smol_llm.front, []
+
+    def interrupt_the_second_time(call):
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return call(*args, **kwargs)
+        return interrupted
+    monkeypatch.setattr(engine.cfg, "max_num_seqs", 2)
+    # the fourth prompt stops at once: "1, 2, 3, 4," goes on " 5,"
+    params = [ns.SamplingParams(temperature=0, max_tokens=8, stop=[","])] * 4
+    if where == "close":
+        states = [smol_llm.add(front.encode(p), q, incremental=True)
+                  for p, q in zip(SMOL_PROMPTS, params)]
+        steps = smol_llm.run()
+        next(steps)
+        steps.close()
+    else:
+        owner, name = {"detokenize": (front, "_detokenize"), "abort": (engine, "abort_request"),
+                       "progress": (ns, "_progress")}[where]
+        monkeypatch.setattr(owner, name, interrupt_the_second_time(getattr(owner, name)))
+        with pytest.raises(KeyboardInterrupt):
+            smol_llm.generate(SMOL_PROMPTS + SMOL_PROMPTS[3:], params + params[:1])
+    monkeypatch.undo()
+    assert not engine.has_unfinished() and not front.states
+    if where == "close":
+        assert all(s.finish_reason is not None for s in states)
+    check_pool_is_free(engine)
+    before = smol_llm.stats()["generated_tokens_total"]
+    [out] = smol_llm.generate(SMOL_PROMPTS[0], ns.SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out.token_ids) == 5
+    assert smol_llm.stats()["generated_tokens_total"] - before == 5
+
+
 def test_stop_strings_and_tokens(smol_llm):
     base = smol_llm.generate(["1, 2, 3, 4,"], GREEDY)[0]
     assert " 5, 6" in base.text
