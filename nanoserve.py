@@ -1459,8 +1459,8 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
                 outputs += fail_running(core, e)            # chapter: faults
-                exit_on_failed_step(core.runner.workers)      # chapter: tensor parallelism
         sender.submit(outbox.send, EngineCoreOutputs(outputs, engine_stats(core))) # gone: EOF above
+        exit_on_failed_step(core.runner.workers, sender)      # chapter: tensor parallelism
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 class EngineCoreClient:
@@ -2686,10 +2686,13 @@ def exit_on_worker_death(workers):
     if workers is not None:
         workers.exit_on_death = True
 
-def exit_on_failed_step(workers):
+def exit_on_failed_step(workers, sender):
     """In the engine core process, after a step that raised on rank 0: the workers have stopped
-    (stop_out_of_step), so no step can run. The process ends as at a worker's death."""
-    if workers is not None:
+    (stop_out_of_step), so no step can run. The process ends as at a worker's death, once
+    `sender` has sent the step's outputs: the tokens it read back, then the failed requests'
+    errors. A request that the step finished keeps its end; the server fails the rest."""
+    if workers is not None and workers.closed.is_set():
+        sender.shutdown(wait=True)
         sys.exit(1)
 
 def send_step(workers, plan):

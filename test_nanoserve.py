@@ -11,6 +11,7 @@ and every KV block back in the pool afterwards.
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import gc
 import importlib.util
@@ -3515,25 +3516,50 @@ def fail_a_layer_once(core):
     layer.forward = fail_once
 
 
+def fail_a_layer_in_the_second_step(core):
+    """Runs inside the engine core process (EngineCoreClient's `setup`): the first step waits
+    until two requests are queued, then rank 0's layer 10 raises in the second step, between
+    that step's all-reduces. That step reads the first one back, which ends a one-token request."""
+    layer, step, calls = core.runner.model.layers[10], core.step, []
+
+    def fail_the_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return type(layer).forward(layer, *args, **kwargs)
+    layer.forward = fail_the_second_time
+    core.step = lambda: step() if calls or len(core.seqs) == 2 else []
+
+
 def test_tensor_parallel_failed_step_ends_the_engine_core():
     """Served with 3 ranks, a step that raises on rank 0 midway through the forward pass
-    leaves the ranks out of step, so it ends the engine core: the request fails, /health
-    turns 503 (no later request can hang), and the engine core and its workers exit."""
+    leaves the ranks out of step, so it ends the engine core: the request fails with the step's
+    error, the engine core and its workers exit, and /health turns 503 (no later request can
+    hang). The step's outputs go out before the exit: a request that the step read back to its
+    last token ends as it should."""
     cfg = server_config(tensor_parallel_size=TP, num_blocks=64)
-    client = EngineCoreClient(cfg, setup=fail_a_layer_once)
+    client = EngineCoreClient(cfg, setup=fail_a_layer_in_the_second_step)
     srv = ServerThread(build_app(client, cfg))
     try:
         with open(f"/proc/{client.process.pid}/task/{client.process.pid}/children") as f:
             workers = [int(pid) for pid in f.read().split()]
         assert len(workers) == TP - 1, workers
-        r = httpx.post(srv.url + "/v1/completions", timeout=60,
-                       json={"prompt": TP_PROMPTS[0], "max_tokens": 3, "temperature": 0})
-        print(r.text)
+        post = lambda n: httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "prompt": TP_PROMPTS[0], "max_tokens": n, "temperature": 0, "ignore_eos": True})
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            one, r = pool.map(post, (1, 3))
+        print(one.text, r.text, sep="\n")
+        assert one.status_code == 200 and one.json()["choices"][0]["finish_reason"] == "length"
+        assert one.json()["usage"]["completion_tokens"] == 1
         assert r.status_code >= 500, r.text
-        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
-        client.process.join(30)
+        assert "injected failure" in r.json()["error"]["message"], r.text
+        client.process.join(30)                   # it exits once the outputs are sent
         assert not client.process.is_alive()
         wait_exited(workers, 30)
+        deadline = time.time() + 10               # the server has seen the pipe close
+        while httpx.get(srv.url + "/health", timeout=10).status_code != 503:
+            assert time.time() < deadline, "/health does not say the engine core is gone"
+            time.sleep(0.05)
     finally:
         srv.stop()
         client.shutdown()
