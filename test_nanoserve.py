@@ -2222,6 +2222,32 @@ def test_served_equals_offline(client, smol_llm):
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in offline]
 
 
+def test_served_drafts_keep_text_that_ends_mid_character(smol_llm):
+    """Behind the server with drafts, a step's tokens may end inside a character, and several
+    steps' tokens may reach the front end at once. For each stop string, the text, the tokens
+    and finish_reason equal plain decoding's offline, streamed and not."""
+    cfg = server_config(num_speculative_tokens=4)
+    client = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(client, cfg))
+    try:
+        oai = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for stop in EMOJI_STOPS:
+            ref = smol_llm.generate(EMOJI_PROMPT, ns.SamplingParams(
+                temperature=0, max_tokens=24, stop=stop))[0]
+            kw = dict(model=MODEL, prompt=EMOJI_PROMPT, temperature=0, max_tokens=24, stop=stop)
+            r = oai.completions.create(**kw)
+            text, finish, usage, _ = stream_completion(oai, stream_options={"include_usage": True},
+                                                       **kw)
+            print(stop, repr(ref.text), repr(r.choices[0].text), repr(text))
+            assert r.choices[0].text == text == ref.text, stop
+            assert r.choices[0].finish_reason == finish[0] == ref.finish_reason, stop
+            assert r.usage.completion_tokens == usage.completion_tokens == len(ref.token_ids)
+        assert client.stats["spec_decode_num_accepted_tokens_total"] > 0
+    finally:
+        srv.stop()
+        client.shutdown()
+
+
 def test_utf8_stream(client):
     """A character split over several tokens is sent whole, in one piece."""
     prompt = "Translate to Japanese and Chinese with emoji: I love cats 🐱 ->"
