@@ -1374,8 +1374,8 @@ class LLM:
                 for request_id in stopped:
                     self.engine.abort_request(request_id)
                 yield
-        except BaseException as e:   # GeneratorExit too: closed, or dropped by an error in the
-            end_run(self, e)         # caller's loop (CPython closes a dropped generator at once)
+        except BaseException as e:   # GeneratorExit too: closed, or dropped by the caller's error
+            end_run(self, e)                                   # chapter: faults
             raise
 
     def generate(self, prompts, params=None) -> list:
@@ -3196,10 +3196,12 @@ class ServerMetrics:
 # A fault ends the requests it touches, with finish_reason "error", and nothing else. A step
 # that raises fails the running requests (fail_running), and the engine core process goes on
 # with the waiting ones. The outputs the step made before it raised still go out first
-# (EngineCore.committed), so a request it finished keeps its end. LLM.run, however it stops
-# (an error or Ctrl-C anywhere in its loop, a caller that closes it), ends every request it has,
-# waiting ones too (end_run). An engine core process that dies fails every request in flight,
-# and the server stays up to say so (engine_died).
+# (EngineCore.committed), so a request it finished keeps its end. LLM.run, however it stops,
+# ends every request it has, waiting ones too (end_run). It may stop at an error or Ctrl-C
+# anywhere in its loop, or when its caller closes it. An error in the caller's own loop (at
+# generate's progress line) drops it, and CPython closes a dropped generator at once. An engine
+# core process that dies fails every request in flight, and the server stays up to say so
+# (engine_died).
 # Ctrl-C sends SIGINT to every process of the terminal's group: the server or the LLM's process,
 # the engine core, and the tensor-parallel workers alike. Only the parent acts on it. It stops its
 # children by closing their pipes, which they read as EOF. Three helpers keep that true at every
