@@ -84,7 +84,7 @@ def _flag(default, help: str, flag: Optional[str] = None):
 @dataclass
 class Config:
     # -- engine settings: each one is a CLI flag --
-    model: str = _flag(DEFAULT_MODEL, "model folder: config.json, *.safetensors, tokenizer.json")
+    model: str = _flag(DEFAULT_MODEL, "folder of config.json, model.safetensors, tokenizer.json")
     device: str = _flag("auto", "cuda or cpu (auto: cuda when there is one)")
     dtype: str = _flag("auto", "float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)")
     attention: str = _flag("auto", "paged-attention implementation: triton, sdpa or torch "
@@ -236,9 +236,9 @@ def _progress(msg: str, end: bool = False):
 def load_weights(model: nn.Module, cfg: Config):
     """Copy every checkpoint tensor into its slice; fail on anything missing or extra."""
     from safetensors import safe_open
-    files = sorted(Path(cfg.model).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors file in {cfg.model!r}")
+    index = Path(cfg.model, "model.safetensors.index.json")   # as transformers: not consolidated.*
+    names = json.loads(index.read_text())["weight_map"].values() if index.is_file() else []
+    files = [Path(cfg.model, name) for name in sorted({*names} or {"model.safetensors"})]
     params, num_done = dict(model.named_parameters()), 0
     num_rows_loaded = dict.fromkeys(params, 0)
     for path in files:
@@ -936,7 +936,7 @@ class EngineCore:
         self.scheduler = Scheduler(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.launched: Optional[LaunchedStep] = None   # chapter: async scheduling (None: off)
-        self.committed: list = []          # the outputs step's _commit made (fail_running too)
+        self.committed: list = []   # the step in progress's outputs, each as made (fail_running)
         self.num_generated_tokens = 0                      # for /metrics
 
     def add_request(self, request: EngineCoreRequest):
@@ -962,13 +962,14 @@ class EngineCore:
         """One step, whole: schedule and launch it, sample it on the device, then read its tokens
         back (_commit). Returns an EngineCoreOutput per token read back and kept. A sampled token
         is pending (num_pending_tokens) from its launch to its read-back."""
-        if self.cfg.async_scheduling:       # chapter: async scheduling (the default: launches
-            return step_one_ahead(self)     # the next step before this one is read back)
-        self.committed, launched = [], self._launch(None)
-        if launched is not None:
+        self.committed = []            # _commit adds each output as it makes it (fail_running)
+        if self.cfg.async_scheduling:  # chapter: async scheduling (the default: launches the
+            step_one_ahead(self)       # next step before this one is read back)
+        elif (launched := self._launch(None)) is not None:
             self.runner.sample(launched)
-            self.committed = self._commit(launched)
-        return self.committed
+            self._commit(launched)
+        outputs, self.committed = self.committed, []   # handed out: no fault passes them on again
+        return outputs
 
     def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         batch = self.scheduler.schedule()
@@ -981,32 +982,30 @@ class EngineCore:
             seq.num_pending_tokens += 1         # until _commit reads it back
         return step
 
-    def _commit(self, step: LaunchedStep) -> list:
-        """Read a step's tokens back (its one host-device sync) and hand each to its sequence."""
+    def _commit(self, step: LaunchedStep):
+        """Read a step's tokens back (its one host-device sync) and hand each to its sequence; each
+        output it makes goes into self.committed at once."""
         self.runner.finish_sample(step)            # chapter: structured output (sampled when off)
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not the one launched after it
         host = [t.tolist() for t in step.host]   # tokens (B,), then log-probs: (B,), (B, k), (B, k)
         tokens = host[0] if host else []
         self.runner.grammar_masks.follow(step.seqs, tokens)         # chapter: structured output
-        outputs, rows = [], iter(zip(step.seqs, zip(*host)))   # a row: its token, then log-probs
-        # chapter: speculative decoding (a step with drafts keeps some of each row's; without
-        # drafts each row is kept alone, with no call per row)
-        accept = self.scheduler.speculation.accept if step.batch.draft_token_ids else None
+        rows = zip(step.seqs, zip(*host))      # (seq, row): a row is its token, then log-probs
+        if step.batch.draft_token_ids:         # chapter: speculative decoding (the rows kept)
+            rows = self.scheduler.speculation.kept_rows(rows, step, self.launched)
         for seq, row in rows:
             seq.num_pending_tokens -= 1         # read back: no longer pending
-            for row in accept(seq, row, rows, step, self.launched) if accept else (row,):
-                if not seq.is_finished:         # else aborted, or ended by the step before
-                    outputs.append(self._append_token(seq, *row))
+            if not seq.is_finished:             # else aborted, or ended by the step before
+                self.committed.append(self._append_token(seq, *row))
         for seq in step.batch.seqs:
             name_computed_blocks(self.scheduler, seq)   # chapter: prefix caching (none if finished)
-        self.num_generated_tokens += len(outputs)
-        return outputs
 
     def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
         """One read-back token into its sequence, and the output reporting it; ends the sequence if
         the token finishes it. logprobs: the token's row of log-probs, if the step computed any."""
         seq.token_ids.append(token)
+        self.num_generated_tokens += 1
         keep = seq.params.max_tokens > 0     # 0: the prompt is only scored (prompt log-probs)
         out = EngineCoreOutput(seq.request_id, token if keep else None,
                                num_cached_tokens=seq.num_cached_tokens)
@@ -1082,20 +1081,20 @@ class Delta:
 class RequestState:
     """One request as the front end sees it; LLM.generate returns these (vLLM's RequestOutput)."""
     def __init__(self, request_id: str, prompt_ids: list, params: SamplingParams,
-                 incremental: bool, index: int = 0):
+                 incremental: bool, index: int = 0, queue: Optional[asyncio.Queue] = None):
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
         self.index = index                # which of a server request's choices
         self.incremental = incremental or bool(params.stop)  # text per step, not at the end
         self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
         # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
-        self.prefix_offset = self.read_offset = 0         # [prefix, read): shown, kept as context
+        self.prefix_offset = self.read_offset = self.num_read_chars = 0   # [prefix, read): shown
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
         # chapter: the rest of the OpenAI API (the server's latency clock, for /metrics)
         self.last_token_time, self.num_timed_tokens = None, 0
-        self.queue: Optional[asyncio.Queue] = None   # the server's: _deliver puts each change
+        self.queue = queue                # the server's: _deliver puts each change
 
     def take_delta(self) -> Delta:
         """All new since the last call; until the end, less a tail that could grow into a stop."""
@@ -1119,6 +1118,8 @@ def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
         raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
     if p.top_k == 0 or p.top_k < -1:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {p.top_k}")
+    if p.seed is not None and (type(p.seed) is not int or not -2**63 <= p.seed < 2**64):
+        raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, got {p.seed!r}")
     check_logit_params(p, vocab_size)                  # chapter: log-probs and logit edits
     check_grammar(p.grammar)                                   # chapter: structured output
 
@@ -1163,9 +1164,9 @@ class FrontEnd:
                              f"({self.num_blocks} blocks of {self.cfg.block_size})")
 
     def add(self, prompt_ids: list, params: SamplingParams, incremental: bool = True,
-            index: int = 0) -> EngineCoreRequest:
+            index: int = 0, queue=None) -> EngineCoreRequest:
         """Track a checked request; return what to send the engine core."""
-        state = RequestState(uuid.uuid4().hex, prompt_ids, params, incremental, index)
+        state = RequestState(uuid.uuid4().hex, prompt_ids, params, incremental, index, queue)
         self.states[state.request_id] = state
         return EngineCoreRequest(state.request_id, prompt_ids, params)
 
@@ -1174,12 +1175,12 @@ class FrontEnd:
         """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
         string ended, for the engine core to abort. Tokens computed past the stop are dropped: one
         in-process, a few more behind the server, where tokens and abort cross a pipe each."""
-        now, changed = time.perf_counter(), {}   # request id -> (state, its tokens, its chars)
+        now, changed = time.perf_counter(), {}   # request id -> (state, its chars before)
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:                  # ended here already (stop string, abort)
                 continue
-            changed.setdefault(out.request_id, (state, len(state.token_ids), len(state.text)))
+            changed.setdefault(out.request_id, (state, len(state.text)))
             state.first_token_time = state.first_token_time or now
             state.num_cached_tokens = out.num_cached_tokens
             state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
@@ -1187,21 +1188,19 @@ class FrontEnd:
             if out.token_id is not None:
                 state.token_ids.append(out.token_id)
                 state.logprobs += [out.logprobs] if out.logprobs else []
-        states = [state for state, *_ in changed.values()]
-        self._detokenize([s for s in states if s.incremental and not s.error])
+        states = [state for state, _ in changed.values()]
+        self._detokenize([s for s in states if s.incremental or s.finish_reason])   # or at the end
         stopped = []
-        for state, num_tokens, num_chars in changed.values():   # as they were before this call
+        for state, num_chars in changed.values():
             # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
             if state.params.stop and not state.error and \
-                    self._truncate_at_stop_string(state, num_chars, num_tokens):
+                    self._truncate_at_stop_string(state, num_chars):
                 if state.finish_reason is None:        # the engine core still runs it
                     stopped.append(state.request_id)
                 state.finish_reason = "stop"
             if state.finish_reason is not None:
                 del self.states[state.request_id]
                 state.finish_time = now
-                if not state.incremental and self.tokenizer is not None:
-                    state.text = self.decode(state.token_ids)
         return states, stopped
 
     def decode(self, token_ids: list) -> str:
@@ -1213,19 +1212,21 @@ class FrontEnd:
         render differently after another (a leading space). Then they are decoded with the new
         ones. Say tokens 0-4 are shown (offsets 3, 5), and 5-6 arrive. decode(3:5) = "ab" and
         decode(3:) = "abcd", so "cd" is added, and the offsets become 5, 7. Text that ends in
-        U+FFFD (half a character) waits for the next token."""
+        U+FFFD (half a character) is added up to it, and the offsets wait for the token that
+        ends it (num_read_chars: len(text) when they last moved). At the end, all is added."""
         if self.tokenizer is None or not states:
             return
         windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
                                                 s.token_ids[s.prefix_offset:])]
         texts = self.tokenizer.decode_batch(windows, skip_special_tokens=True)
         for s, before, after in zip(states, texts[0::2], texts[1::2]):
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                s.text += after[len(before):]
+            done = after if s.finish_reason else after.rstrip("\ufffd")   # whole characters
+            s.text += done[len(before) + len(s.text) - s.num_read_chars:]
+            if len(after) > len(before) and done == after:   # no half character: move on
                 s.prefix_offset, s.read_offset = s.read_offset, len(s.token_ids)
+                s.num_read_chars = len(s.text)
 
-    def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int,
-                                 num_old_tokens: int = 0) -> bool:
+    def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int) -> bool:
         """Cut the text at the earliest stop string; a new match ends inside this call's text.
         Several tokens may arrive in one call (steps batched behind the server, or a chapter's
         accepted drafts). Those after the token that completes the stop string are cut too, with
@@ -1235,10 +1236,9 @@ class FrontEnd:
         if not matches:
             return False
         first, end = min(matches)
-        n = num_old_tokens + 1                 # the fewest tokens whose text holds the match
-        while n < len(state.token_ids) and \
-                not self.decode(state.token_ids[:n]).startswith(state.text[:end]):
-            n += 1
+        n = len(state.token_ids)   # walk back to the fewest whose text holds the match
+        while n > 1 and self.decode(state.token_ids[:n - 1]).startswith(state.text[:end]):
+            n -= 1
         del state.token_ids[n:], state.logprobs[n:]
         state.text = state.text[:first]
         return True
@@ -1258,18 +1258,17 @@ class LLM:
         return self.front.states[request.request_id]
 
     def run(self):
-        """Step until every request is done, yielding after each step. A step that raises (Ctrl-C
-        too) ends every request in error, running or waiting (fail_running), before it goes on."""
-        while self.engine.has_unfinished():
-            try:
-                outputs = self.engine.step()
-            except BaseException as e:
-                self.front.process(fail_running(self.engine, e, waiting=True))   # chapter: faults
-                raise
-            _, stopped = self.front.process(outputs)
-            for request_id in stopped:
-                self.engine.abort_request(request_id)
-            yield
+        """Step until every request is done, yielding after each step. Whatever stops it first (an
+        error or Ctrl-C anywhere, the caller closing it) ends every request in error (end_run)."""
+        try:
+            while self.engine.has_unfinished():
+                _, stopped = self.front.process(self.engine.step())
+                for request_id in stopped:
+                    self.engine.abort_request(request_id)
+                yield
+        except BaseException as e:   # GeneratorExit too: closed, or dropped by the caller's error
+            end_run(self, e)                                   # chapter: faults
+            raise
 
     def generate(self, prompts, params=None) -> list:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -1709,22 +1708,21 @@ def main(argv=None):
 # and _runs_this_step (ends_when_read), ModelRunner._flatten (the placeholder) and prepare
 # (put_pending_tokens), EngineCore.step (step_one_ahead) and its `launched`.
 
-def step_one_ahead(core: EngineCore) -> list:
-    """EngineCore.step with the overlap: launch the next step, read back the previous call's, then
-    sample the new one. Returns an EngineCoreOutput per token read back and kept (none on the
-    first call)."""
-    prev, core.committed = core.launched, []
+def step_one_ahead(core: EngineCore):
+    """EngineCore.step with the overlap: launch the next step, read back the previous call's (into
+    core.committed; nothing on the first call), then sample the new one."""
+    prev = core.launched
     # chapter: speculative decoding (False but after drafts, on the CPU or tensor-parallel)
     if prev is not None and core.scheduler.speculation.reads_back_first(prev):
-        core.committed, prev = core._commit(prev), None
+        core._commit(prev)
+        prev = None
     try:
         core.launched = core._launch(prev)     # step N+1, before step N is read back
     finally:                    # even if the launch raises: fail_running passes step N's
         if prev is not None:    # outputs on, as it does when sample raises below
-            core.committed = core._commit(prev)
+            core._commit(prev)
     if core.launched is not None:
         core.runner.sample(core.launched)
-    return core.committed
 
 def ends_when_read(seq: Sequence, max_model_len: int) -> bool:
     """True if seq's pending token is its last by length: no later step is worth launching."""
@@ -1905,8 +1903,8 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
                 outputs += fail_running(core, e)            # chapter: faults
-                exit_on_failed_step(core.runner.workers)      # chapter: tensor parallelism
         sender.submit(outbox.send, EngineCoreOutputs(outputs, engine_stats(core))) # gone: EOF above
+        exit_on_failed_step(core.runner.workers, sender)      # chapter: tensor parallelism
 
 # -- the server's end of the pipes: EngineCoreClient, on the event loop --
 class EngineCoreClient:
@@ -1948,10 +1946,9 @@ class EngineCoreClient:
         RequestState at each change until all finish. However the caller stops (done, client
         gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
-        requests = [self.front.add(ids, p, index=i) for i, (ids, p) in enumerate(requests)]
+        requests = [self.front.add(ids, p, index=i, queue=changed)
+                    for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
-        for request_id in unfinished:
-            self.front.states[request_id].queue = changed
         try:
             if self.error:                          # died since the handler checked
                 fail_all(self)                      # chapter: faults
@@ -2136,7 +2133,7 @@ def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
 # guessed), ScheduledBatch.draft_token_ids, Scheduler.__init__ and schedule (add_drafts),
 # ModelRunner._flatten (the drafts follow a row's newest token, and each row samples), prepare
 # (follow_accepted_drafts), step_one_ahead (reads_back_first: on the CPU, or with tensor
-# parallelism), EngineCore._commit (accept), engine_stats.
+# parallelism), EngineCore._commit (kept_rows), engine_stats.
 
 class NgramIndex:
     """A sequence's drafts (this chapter's opening tells the mechanism).
@@ -2233,18 +2230,26 @@ class Speculation:
         step that drafted, where rows do not follow it on the device (follows_on_device)."""
         return not self.follows_on_device and bool(prev.batch.draft_token_ids)
 
+    def kept_rows(self, rows, step: LaunchedStep, after):
+        """EngineCore._commit's (seq, row) pairs for a step with drafts: of each sequence's sampled
+        rows, those it keeps (accept), in order."""
+        rows = iter(rows)
+        for seq, row in rows:
+            for kept in self.accept(seq, row, rows, step, after):
+                yield seq, kept
+
     def accept(self, seq: Sequence, row: tuple, rows, step: LaunchedStep, after) -> tuple:
-        """The rows EngineCore._commit appends for seq, whose first sampled row in `step` is
-        `row`: that row alone without drafts. With d drafts, the next d of `rows` are seq's too.
-        The kept ones are returned, and the rest rewound (the chapter's opening). `after` is the
-        step launched since, whose rows the device has moved back already: its draws' positions
-        follow here."""
+        """The rows kept of seq, whose first sampled row in `step` is `row`: that row alone without
+        drafts. With d drafts, the next d of `rows` are seq's too. The kept ones are returned, and
+        the rest rewound (the chapter's opening); _commit counts off a pending token for each row
+        kept, and this for each rejected. `after` is the step launched since, whose rows the
+        device has moved back already: its draws' positions follow here."""
         drafts = step.batch.draft_token_ids.get(seq)
         if not drafts:
             return (row,)
         sampled = (row, *(next(rows)[1] for _ in drafts))  # (token, *log-probs) each
-        seq.num_pending_tokens -= len(drafts)              # read too: no longer pending
         num_kept = num_accepted(drafts, [token for token, *_ in sampled])
+        seq.num_pending_tokens -= len(drafts) - num_kept   # the rejected: read, never kept
         if seq.status == "running":         # (a finished or preempted one has no blocks left)
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += num_kept
@@ -2809,10 +2814,13 @@ def exit_on_worker_death(workers):
     if workers is not None:
         workers.exit_on_death = True
 
-def exit_on_failed_step(workers):
+def exit_on_failed_step(workers, sender):
     """In the engine core process, after a step that raised on rank 0: the workers have stopped
-    (stop_out_of_step), so no step can run. The process ends as at a worker's death."""
-    if workers is not None:
+    (stop_out_of_step), so no step can run. The process ends as at a worker's death, once
+    `sender` has sent the step's outputs: the tokens it read back, then the failed requests'
+    errors. A request that the step finished keeps its end; the server fails the rest."""
+    if workers is not None and workers.closed.is_set():
+        sender.shutdown(wait=True)
         sys.exit(1)
 
 def send_step(workers, plan):
@@ -3516,9 +3524,14 @@ class _ResponsesShape:
 # ---------------------------------------------------------------------------
 # Chapter: faults
 # A fault ends the requests it touches, with finish_reason "error", and nothing else. A step
-# that raises fails the running requests (fail_running): the engine core process and the LLM go
-# on with the waiting ones. An engine core process that dies fails every request in flight, and
-# the server stays up to say so (engine_died).
+# that raises fails the running requests (fail_running), and the engine core process goes on
+# with the waiting ones. The outputs the step made before it raised still go out first
+# (EngineCore.committed), so a request it finished keeps its end. LLM.run, however it stops,
+# ends every request it has, waiting ones too (end_run). It may stop at an error or Ctrl-C
+# anywhere in its loop, or when its caller closes it. An error in the caller's own loop (at
+# generate's progress line) drops it, and CPython closes a dropped generator at once. An engine
+# core process that dies fails every request in flight, and the server stays up to say so
+# (engine_died).
 # Ctrl-C sends SIGINT to every process of the terminal's group: the server or the LLM's process,
 # the engine core, and the tensor-parallel workers alike. Only the parent acts on it. It stops its
 # children by closing their pipes, which they read as EOF. Three helpers keep that true at every
@@ -3528,15 +3541,16 @@ class _ResponsesShape:
 # While the engine core loads, it reads no pipe. So a server stopped then (child_stopped_on_error)
 # closes the engine core's outbox instead, which the engine core watches too, and it ends at
 # once with its workers.
-# Seams: LLM.run and run_engine_core (fail_running), EngineCoreClient (child_stopped_on_error,
-# sigint_held; receive and generate: engine_died, fail_all) and run_engine_core (follow_parent);
-# the tensor-parallel workers use the last two alike.
+# Seams: LLM.run (end_run), run_engine_core (fail_running), EngineCoreClient
+# (child_stopped_on_error, sigint_held; receive and generate: engine_died, fail_all) and
+# run_engine_core (follow_parent); the tensor-parallel workers use the last two alike.
 
 def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) -> list:
-    """A step raised. Every running sequence ends in error, and its blocks are freed. Waiting
-    ones stay queued (unless `waiting`), none with a pending token, since the launched step is
-    dropped unread. The outputs the step had read back come first in the list: a request they
-    finish runs no more, so they are its last."""
+    """A step raised, or LLM.run stopped (end_run). Every running sequence ends in error, and its
+    blocks are freed. Waiting ones stay queued (unless `waiting`), none with a pending token,
+    since the launched step is dropped unread. The outputs the step had made come first in the
+    list, those of _commit's rows before a fault there too: a request they finish runs no more,
+    so they are its last. (A step that returned has handed its outputs out already.)"""
     core.launched = None
     stop_out_of_step(core.runner.workers, error)       # chapter: tensor parallelism
     failed = [s for s in core.seqs.values() if waiting or s.status == "running"]
@@ -3546,6 +3560,15 @@ def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) 
         seq.num_pending_tokens = 0
     return core.committed + [EngineCoreOutput(s.request_id, None, finish_reason="error",
                              error=f"the engine failed: {error!r}") for s in failed]
+
+def end_run(llm: LLM, error: BaseException):
+    """LLM.run stopped before its requests ended. Every request ends in error, running or waiting
+    (fail_running), so that the next call runs only its own. So does one that the engine core
+    ended but whose output the front end had not read (Ctrl-C while it read)."""
+    outputs = fail_running(llm.engine, error, waiting=True)
+    unread = llm.front.states.keys() - {out.request_id for out in outputs}
+    llm.front.process(outputs + [EngineCoreOutput(request_id, None, finish_reason="error",
+                      error=f"the engine failed: {error!r}") for request_id in unread])
 
 def engine_died(client: EngineCoreClient):
     """The engine core process is gone. Every request in flight ends with an error, and /health

@@ -11,6 +11,7 @@ and every KV block back in the pool afterwards.
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import gc
 import importlib.util
@@ -18,6 +19,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import random
 import re
 import select
 import signal
@@ -289,6 +291,31 @@ def test_unknown_families_and_sliding_windows_are_refused(mistral, tmp_path):
     assert Config(model=str(tmp_path), device="cpu", max_model_len=256).max_model_len == 256
 
 
+def test_only_the_models_own_weight_files_are_read(mistral, tmp_path):
+    """A Mistral folder fetched with the hub's own tools also holds consolidated.safetensors: the
+    same weights under Mistral's own names. The loader reads the files transformers reads, and
+    no other: model.safetensors, or the shards that model.safetensors.index.json lists. Both
+    kinds of folder, with a consolidated file beside them, give the checkpoint's greedy tokens."""
+    from safetensors.torch import save_file
+    path, hf = mistral
+    params = ns.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(3, 19))
+    ref = ns.LLM(path, device="cpu", num_blocks=16).generate(prompt, params)[0].token_ids
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    whole.mkdir()
+    for name in os.listdir(path):
+        (whole / name).symlink_to(os.path.join(path, name))
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    mistral_names = {"tok_embeddings.weight": hf.model.embed_tokens.weight,
+                     "layers.0.attention.wq.weight": hf.model.layers[0].self_attn.q_proj.weight}
+    for folder in (whole, sharded):
+        save_file({k: v.detach().clone() for k, v in mistral_names.items()},
+                  str(folder / "consolidated.safetensors"))
+        llm = ns.LLM(str(folder), device="cpu", num_blocks=16)
+        assert llm.generate(prompt, params)[0].token_ids == ref, folder.name
+
+
 SMOL_PROMPTS = ["The capital of France is",
                 "def fibonacci(n):",
                 "Once upon a time, in a small village by the sea, there lived an old fisherman "
@@ -466,6 +493,50 @@ def test_failed_launch_keeps_what_the_step_before_sampled(smol_llm, monkeypatch)
     check_pool_is_free(smol_llm.engine)
 
 
+@pytest.mark.parametrize("where", ["_append_token", "accept"])
+def test_faults_inside_commit_lose_no_request(tiny, monkeypatch, where):
+    """A fault at any row of _commit's loop fails the running requests (fail_running) and no
+    other: a request that an earlier row of the same loop finished keeps its end, where behind
+    the server its client would wait for ever. A small fuzz: 40 requests of 1 to 12 tokens, with
+    drafts, arriving a few at each step, and faults at random rows of the loop, in appending a
+    token or accepting drafts. Every request ends, none is lost, and every block is back."""
+    llm = ns.LLM(tiny[0], device="cpu", num_blocks=128, block_size=8, num_speculative_tokens=2)
+    engine, rng = llm.engine, random.Random(0)
+    monkeypatch.setattr(ns.NgramIndex, "propose", lambda self, token_ids, k: token_ids[-k:])
+    owner = engine if where == "_append_token" else engine.scheduler.speculation
+    row = getattr(owner, where)
+
+    def faulty(*args):
+        if rng.random() < 0.04:
+            raise RuntimeError("injected failure")
+        return row(*args)
+    monkeypatch.setattr(owner, where, faulty)
+    monkeypatch.setattr(engine.cfg, "max_num_seqs", 8)
+    states, num_faults = [], 0
+    for _ in range(500):           # bounded: a lost request would loop for ever behind a server
+        while len(states) < 40 and rng.random() < 0.5:     # a few arrive at each step
+            states.append(llm.add([rng.randrange(3, 512) for _ in range(rng.randint(2, 20))],
+                                  ns.SamplingParams(temperature=0, max_tokens=rng.randint(1, 12),
+                                                    ignore_eos=True)))
+        if len(states) == 40 and not engine.has_unfinished():
+            break
+        try:
+            outputs = engine.step()
+        except RuntimeError as e:
+            outputs, num_faults = ns.fail_running(engine, e), num_faults + 1
+        llm.front.process(outputs)
+    lost = [s.request_id for s in states if s.finish_reason is None]
+    ends = [s.finish_reason for s in states]
+    print(f"{num_faults} faults; {ends.count('length')} ended by length, {ends.count('error')} "
+          f"in error, {len(lost)} lost")
+    assert num_faults > 0 and not lost and not llm.front.states
+    assert {"length", "error"} == set(ends)
+    for s in states:
+        assert len(s.token_ids) == s.params.max_tokens if s.finish_reason == "length" else \
+            "injected failure" in s.error
+    check_pool_is_free(engine)
+
+
 @pytest.mark.parametrize("failure", [RuntimeError("injected failure"), KeyboardInterrupt()])
 def test_failed_generate_ends_its_waiting_requests(smol_llm, monkeypatch, failure):
     """A generate whose step raises, or that Ctrl-C stops, ends every one of its requests,
@@ -484,6 +555,47 @@ def test_failed_generate_ends_its_waiting_requests(smol_llm, monkeypatch, failur
     assert len(engine.scheduler.waiting) == 0 and not engine.has_unfinished()
     check_pool_is_free(engine)
     monkeypatch.undo()
+    before = smol_llm.stats()["generated_tokens_total"]
+    [out] = smol_llm.generate(SMOL_PROMPTS[0], ns.SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out.token_ids) == 5
+    assert smol_llm.stats()["generated_tokens_total"] - before == 5
+
+
+@pytest.mark.parametrize("where", ["detokenize", "abort", "progress", "close"])
+def test_interrupted_run_ends_its_requests(smol_llm, monkeypatch, where):
+    """Ctrl-C anywhere in LLM.run's loop, not only in a step, ends every request of the call,
+    running or waiting (two seats: two of four wait). It may come while the front end
+    detokenizes, while a request that a stop string ended is aborted, or at generate's progress
+    line; a caller may also close the loop. The next generate runs only its own: 5 tokens."""
+    engine, front, calls = smol_llm.engine, smol_llm.front, []
+
+    def interrupt_the_second_time(call):
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return call(*args, **kwargs)
+        return interrupted
+    monkeypatch.setattr(engine.cfg, "max_num_seqs", 2)
+    # the fourth prompt stops at once: "1, 2, 3, 4," goes on " 5,"
+    params = [ns.SamplingParams(temperature=0, max_tokens=8, stop=[","])] * 4
+    if where == "close":
+        states = [smol_llm.add(front.encode(p), q, incremental=True)
+                  for p, q in zip(SMOL_PROMPTS, params)]
+        steps = smol_llm.run()
+        next(steps)
+        steps.close()
+    else:
+        owner, name = {"detokenize": (front, "_detokenize"), "abort": (engine, "abort_request"),
+                       "progress": (ns, "_progress")}[where]
+        monkeypatch.setattr(owner, name, interrupt_the_second_time(getattr(owner, name)))
+        with pytest.raises(KeyboardInterrupt):
+            smol_llm.generate(SMOL_PROMPTS + SMOL_PROMPTS[3:], params + params[:1])
+    monkeypatch.undo()
+    assert not engine.has_unfinished() and not front.states
+    if where == "close":
+        assert all(s.finish_reason is not None for s in states)
+    check_pool_is_free(engine)
     before = smol_llm.stats()["generated_tokens_total"]
     [out] = smol_llm.generate(SMOL_PROMPTS[0], ns.SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(out.token_ids) == 5
@@ -722,6 +834,61 @@ def test_stop_string_cuts_tokens_that_arrive_together(smol_llm):
     (state,), stopped = front.process(outs)
     assert stopped == [request.request_id] and state.finish_reason == "stop"
     assert state.text == " to the " and state.token_ids == ids[:3] and len(state.logprobs) == 3
+
+
+# Each emoji is several tokens, so a step's text often ends mid-character.
+EMOJI_PROMPT = "Repeat: 🍎 apple 🍌 banana 🍒 cherry 🍎 apple 🍌 banana 🍒 cherry\n🍎 apple 🍌"
+EMOJI_STOPS = [["zzz"], ["🍒"], ["apple"]]      # never matches; a split character; a word
+
+
+def test_drafts_keep_text_that_ends_mid_character(smol_llm):
+    """With drafts, several tokens arrive at once, and their text may end inside a character.
+    Only that character waits: the text, tokens, log-probs and finish_reason equal plain
+    decoding's for each stop string. A stop string that never matches leaves the whole text,
+    as decode gives it without one (the held-back end is released when the request ends)."""
+    spec = ns.LLM(SMOL_DIR, device="cpu", num_blocks=64, num_speculative_tokens=4)
+    whole = smol_llm.generate(EMOJI_PROMPT, ns.SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "\ufffd" in smol_llm.front.decode(whole.token_ids[:2]), "no split character"
+    for stop in EMOJI_STOPS:
+        params = ns.SamplingParams(temperature=0, max_tokens=24, stop=stop, logprobs=0)
+        ref, out = smol_llm.generate(EMOJI_PROMPT, params)[0], spec.generate(EMOJI_PROMPT, params)[0]
+        print(stop, repr(ref.text), repr(out.text))
+        assert (out.text, out.token_ids, out.finish_reason) == \
+            (ref.text, ref.token_ids, ref.finish_reason), stop
+        assert [lp for lp, _ in out.logprobs] == pytest.approx([lp for lp, _ in ref.logprobs],
+                                                                abs=1e-4)
+    assert smol_llm.generate(EMOJI_PROMPT, ns.SamplingParams(
+        temperature=0, max_tokens=24, stop=["zzz"]))[0].text == whole.text
+    assert spec.stats()["spec_decode_num_accepted_tokens_total"] > 0
+    check_pool_is_free(spec.engine)
+
+
+def test_stop_strings_whatever_the_tokens_per_call(smol_llm):
+    """Behind the server a call of FrontEnd.process may bring any number of tokens (steps
+    batched, accepted drafts). The text, tokens, log-probs and finish_reason are the same
+    whatever the split: one token a call, or runs of 2 to 7 that end mid-character."""
+    front, rng = smol_llm.front, random.Random(0)
+    ids = smol_llm.generate(EMOJI_PROMPT, ns.SamplingParams(temperature=0, max_tokens=24))[0]
+    ids = ids.token_ids
+
+    def run(stop, sizes):
+        request = front.add([1, 2], ns.SamplingParams(max_tokens=len(ids), stop=stop, logprobs=0))
+        outs = [ns.EngineCoreOutput(request.request_id, t, logprobs=(-i, {t: -i}))
+                for i, t in enumerate(ids)]
+        outs[-1].finish_reason = "length"
+        start, state = 0, None
+        for n in sizes:
+            changed, _ = front.process(outs[start:start + n])
+            state, start = changed[0] if changed else state, start + n
+            if state is not None and state.finish_reason is not None:
+                break
+        return state.text, state.token_ids, state.logprobs, state.finish_reason
+
+    for stop in EMOJI_STOPS:
+        one_at_a_time = run(stop, [1] * len(ids))
+        print(stop, one_at_a_time[0], len(one_at_a_time[1]))
+        for _ in range(20):
+            assert run(stop, [rng.randint(2, 7) for _ in ids]) == one_at_a_time, stop
 
 
 def test_seeded_draws_ignore_drafts_and_batch(smol_llm):
@@ -1060,6 +1227,21 @@ def test_sampling_params_errors_name_the_field():
     ns.check_sampling_params(p, vocab_size=1000)
     assert p.logit_bias == {5: -100.0, 6: 1.0} and p.needs_output_history
     assert not ns.SamplingParams(logit_bias={"5": 1}).needs_output_history
+
+
+def test_a_bad_seed_is_refused_before_anything_is_queued(smol_llm):
+    """A seed that torch.Generator.manual_seed does not take (out of its range, or not an int)
+    is checked with the other sampling parameters: generate refuses it, naming the range, before
+    it queues any request. The range's ends are taken."""
+    good = ns.SamplingParams(temperature=0, max_tokens=2)
+    for seed in (2 ** 64, -2 ** 63 - 1, 1.5, True):
+        with pytest.raises(ValueError, match=r"^seed must be an integer from -2\*\*63 to "
+                                             r"2\*\*64 - 1"):
+            smol_llm.generate(["Hello", "Hi"], [good, ns.SamplingParams(max_tokens=2, seed=seed)])
+        assert not smol_llm.engine.has_unfinished() and not smol_llm.front.states, seed
+    ends = [ns.SamplingParams(max_tokens=2, seed=seed) for seed in (-2 ** 63, 2 ** 64 - 1)]
+    assert [len(o.token_ids) for o in smol_llm.generate(["Hello", "Hi"], ends)] == [2, 2]
+    check_pool_is_free(smol_llm.engine)
 
 
 # ---------------------------------------------------------------------------
@@ -2080,6 +2262,32 @@ def test_served_equals_offline(client, smol_llm):
     offline = smol_llm.generate(prompts, ns.SamplingParams(temperature=0, max_tokens=10))
     r = client.completions.create(prompt=prompts, **{**GREEDY_REQUEST, "max_tokens": 10})
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in offline]
+
+
+def test_served_drafts_keep_text_that_ends_mid_character(smol_llm):
+    """Behind the server with drafts, a step's tokens may end inside a character, and several
+    steps' tokens may reach the front end at once. For each stop string, the text, the tokens
+    and finish_reason equal plain decoding's offline, streamed and not."""
+    cfg = server_config(num_speculative_tokens=4)
+    client = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(client, cfg))
+    try:
+        oai = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for stop in EMOJI_STOPS:
+            ref = smol_llm.generate(EMOJI_PROMPT, ns.SamplingParams(
+                temperature=0, max_tokens=24, stop=stop))[0]
+            kw = dict(model=MODEL, prompt=EMOJI_PROMPT, temperature=0, max_tokens=24, stop=stop)
+            r = oai.completions.create(**kw)
+            text, finish, usage, _ = stream_completion(oai, stream_options={"include_usage": True},
+                                                       **kw)
+            print(stop, repr(ref.text), repr(r.choices[0].text), repr(text))
+            assert r.choices[0].text == text == ref.text, stop
+            assert r.choices[0].finish_reason == finish[0] == ref.finish_reason, stop
+            assert r.usage.completion_tokens == usage.completion_tokens == len(ref.token_ids)
+        assert client.stats["spec_decode_num_accepted_tokens_total"] > 0
+    finally:
+        srv.stop()
+        client.shutdown()
 
 
 def test_utf8_stream(client):
@@ -3756,25 +3964,50 @@ def fail_a_layer_once(core):
     layer.forward = fail_once
 
 
+def fail_a_layer_in_the_second_step(core):
+    """Runs inside the engine core process (EngineCoreClient's `setup`): the first step waits
+    until two requests are queued, then rank 0's layer 10 raises in the second step, between
+    that step's all-reduces. That step reads the first one back, which ends a one-token request."""
+    layer, step, calls = core.runner.model.layers[10], core.step, []
+
+    def fail_the_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return type(layer).forward(layer, *args, **kwargs)
+    layer.forward = fail_the_second_time
+    core.step = lambda: step() if calls or len(core.seqs) == 2 else []
+
+
 def test_tensor_parallel_failed_step_ends_the_engine_core():
     """Served with 3 ranks, a step that raises on rank 0 midway through the forward pass
-    leaves the ranks out of step, so it ends the engine core: the request fails, /health
-    turns 503 (no later request can hang), and the engine core and its workers exit."""
+    leaves the ranks out of step, so it ends the engine core: the request fails with the step's
+    error, the engine core and its workers exit, and /health turns 503 (no later request can
+    hang). The step's outputs go out before the exit: a request that the step read back to its
+    last token ends as it should."""
     cfg = server_config(tensor_parallel_size=TP, num_blocks=64)
-    client = EngineCoreClient(cfg, setup=fail_a_layer_once)
+    client = EngineCoreClient(cfg, setup=fail_a_layer_in_the_second_step)
     srv = ServerThread(build_app(client, cfg))
     try:
         with open(f"/proc/{client.process.pid}/task/{client.process.pid}/children") as f:
             workers = [int(pid) for pid in f.read().split()]
         assert len(workers) == TP - 1, workers
-        r = httpx.post(srv.url + "/v1/completions", timeout=60,
-                       json={"prompt": TP_PROMPTS[0], "max_tokens": 3, "temperature": 0})
-        print(r.text)
+        post = lambda n: httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "prompt": TP_PROMPTS[0], "max_tokens": n, "temperature": 0, "ignore_eos": True})
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            one, r = pool.map(post, (1, 3))
+        print(one.text, r.text, sep="\n")
+        assert one.status_code == 200 and one.json()["choices"][0]["finish_reason"] == "length"
+        assert one.json()["usage"]["completion_tokens"] == 1
         assert r.status_code >= 500, r.text
-        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
-        client.process.join(30)
+        assert "injected failure" in r.json()["error"]["message"], r.text
+        client.process.join(30)                   # it exits once the outputs are sent
         assert not client.process.is_alive()
         wait_exited(workers, 30)
+        deadline = time.time() + 10               # the server has seen the pipe close
+        while httpx.get(srv.url + "/health", timeout=10).status_code != 503:
+            assert time.time() < deadline, "/health does not say the engine core is gone"
+            time.sleep(0.05)
     finally:
         srv.stop()
         client.shutdown()
