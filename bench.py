@@ -767,7 +767,8 @@ def kernel_table(short, long, gemv_bytes, num_layers):
     for events in (short, long):
         events = sorted(events, key=lambda e: e[2])
         totals, last_end = {}, -math.inf
-        gemvs = [e for e in sorted(events, key=lambda e: e[1]) if e[0].startswith("_gemv_kernel")]
+        gemvs = [e for e in sorted(events, key=lambda e: e[1])
+                 if e[0].startswith(("_gemv_kernel", "_skinny_kernel"))]  # whichever pa.linear took
         # the step's GEMVs in order, then the LM head: name them from the last one back
         roles = list(gemv_bytes)
         cycle = roles[:-1] * num_layers + roles[-1:]

@@ -2974,11 +2974,12 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
 # quantized at load to fp8 e4m3, with one fp32 scale per output channel. A decode step then reads
 # half the bytes it reads in bf16. The embedding, the norms and the LM head stay in the model's
 # dtype (bf16 on a GPU, fp32 on the CPU). Under tensor parallelism each rank quantizes its own
-# shard, after pa.shard, so a scale never spans ranks. pa.linear takes an fp8 weight as it is:
-# the batch-1 GEMV widens each weight as it streams in, and a larger batch runs on the fp8 tensor
-# cores (pa.linear_fp8). The kernels and their torch references are in paged_attention.py's fp8
-# section. On a CPU the reference widens the weights at every step, which is correct but slower
-# than fp32.
+# shard, after pa.shard, so a scale never spans ranks. pa.linear takes an fp8 weight as it is.
+# At one row the GEMV widens each weight as it streams in. Up to 16 rows (and at one row of the
+# largest weights) the skinny matmul quantizes x to e4m3, a scale per row for each 128 columns, and
+# multiplies on the fp8 tensor cores. A larger batch quantizes x per token for them (linear_fp8).
+# The kernels and their torch references are in paged_attention.py. On a CPU the reference widens
+# the weights at every step, which is correct but slower than fp32.
 # Seams: Config._check (check_fp8), build_model (quantize_fp8_weights).
 
 def check_fp8(cfg: Config):

@@ -33,8 +33,9 @@ owns in order. This file holds the kernels that touch that pool:
                              (nanoserve's tensor-parallelism chapter runs the
                              ranks)
 
-and, for batch-1 decode, a GEMV (one-row matmul) that applies RMSNorm or
-SiLU-and-mul to its input and adds the residual to its output.
+and, for decode, a GEMV (one-row matmul) and a skinny matmul (up to 16 rows,
+one read of the weight for all of them) that apply RMSNorm or SiLU-and-mul to
+their input and add the residual to their output.
 
 Each kernel reads K/V straight from the pool through the block table (K/V are
 never gathered or repeated for grouped-query attention), and each wrapper only
@@ -180,11 +181,15 @@ def _prologue_ref(x, norm_weight, eps, silu_mul):
     return x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
 
 
-def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, scale=None):
+def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, scale=None,
+             x_group=0):
     """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
     SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding.
-    scale: weight is e4m3 with these row scales (linear_fp8_ref)."""
+    scale: weight is e4m3 with these row scales (linear_fp8_ref). x_group: f(x)
+    goes through e4m3 too, each row's runs of x_group columns with a scale of
+    their own (fp8_activations_ref), as the skinny matmul's fp8 dot takes it."""
     x = _prologue_ref(x, norm_weight, eps, silu_mul)
+    x = fp8_activations_ref(x, x_group) if x_group else x
     y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
@@ -209,30 +214,34 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
     `norm`, SiLU-and-mul (x = [gate, up]) or nothing, residual and bias
     optional: every matmul of a layer.
 
-    Prologue/epilogue fusion: at batch-1 decode on the GPU (GEMV_MAX_ROWS) a
-    matmul is one read of the weight, and a norm, activation or add of its own
-    costs a launch and a wait (~1.5 us) for almost no bytes. The GEMV applies f
-    to x as it streams in and adds the residual on the way out, so a decoder
-    layer takes 6 launches where launching each norm, SiLU-and-mul and add on
-    its own takes 11. Larger batches take cuBLAS and the elementwise kernels.
-    (`norm` here is the RMSNorm module passed in, whose forward calls the
-    `norm` function above; GEMV_MAX_ROWS is 1, for the reason the GEMV's
-    section gives.)
+    Prologue/epilogue fusion: at decode on the GPU a matmul of a few rows is
+    one read of the weight, and a norm, activation or add of its own costs a
+    launch and a wait (~1.5 us) for almost no bytes. The skinny matmul (up to
+    SKINNY_MAX_ROWS rows, where _skinny_config has tiles for the shape and the
+    rows) and the GEMV (one row, GEMV_MAX_ROWS) apply f to x as it streams in
+    and add the residual on the way out, so a decoder layer takes 6 launches
+    where launching each norm, SiLU-and-mul and add on its own takes 11. Other
+    matmuls take cuBLAS and the elementwise kernels. (`norm` here is the
+    RMSNorm module passed in, whose forward calls the `norm` function above.)
 
     Two of nanoserve's chapters enter here, one line each. `all_reduce` marks
     a row-parallel matmul, summed over the tensor-parallel ranks
     (row_parallel_linear). An fp8 weight carries its scales (quantize_fp8):
-    the GEMV reads it as it is, a larger batch in bf16 on the GPU takes
-    linear_fp8, and any other widens the weight as it goes (linear_fp8_ref:
-    correct, and slower than the model's own dtype). A bias (N,) is a residual
-    that every row shares: it takes the residual's path (the GEMV adds it)."""
+    the GEMV and the skinny matmul read it as it is, a larger batch in bf16 on
+    the GPU takes linear_fp8, and any other widens the weight as it goes
+    (linear_fp8_ref: correct, and slower than the model's own dtype). A bias
+    (N,) is a residual that every row shares: it takes the residual's path
+    (the GEMV and the skinny matmul add it)."""
     if bias is not None:
         residual = bias.expand(x.shape[0], -1) if residual is None else residual + bias
     if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
         return row_parallel_linear(x, weight, norm, silu_mul, residual)
     norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     scale = weight.scale if weight.dtype == FP8 else None     # fp8 weights: (N,) fp32
-    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+    M = x.shape[0]
+    if x.is_cuda and M <= SKINNY_MAX_ROWS and _skinny_config(*weight.shape, scale is not None, M):
+        return skinny_matmul(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
+    if x.is_cuda and M <= GEMV_MAX_ROWS:
         return gemv(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
     if scale is not None and x.is_cuda and x.dtype == torch.bfloat16:   # fp8 tensor cores
         y = linear_fp8(x, weight, norm_weight, eps, silu_mul)          # (N_tok, N)
@@ -511,7 +520,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 # ----------------------------------------------------------------------------
 # Programmatic dependent launch, and the last program that finishes the work
-# Two mechanisms the decode kernel and the GEMV below share.
+# Two mechanisms the decode kernel and the matmuls below share.
 #
 # Programmatic dependent launch (PDL, Hopper and newer): a kernel launched
 # with it may start while the kernel before it is still finishing, and waits
@@ -519,7 +528,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 # can load what does not depend on them: weights, tables such as RoPE's cos
 # and sin, and the step's inputs (positions, slots), which are copied in
 # before the step's first kernel. The kernels of a decode step use it (the
-# GEMV, RoPE-store and decode), each waiting before its first read of an
+# GEMV, the skinny matmul, RoPE-store and decode), each waiting before its first read of an
 # earlier kernel's output and before any early return, so that every
 # kernel's completion still implies its predecessors'. At batch 1 a layer is
 # a chain of short kernels, and each launch boundary without PDL leaves the
@@ -539,7 +548,7 @@ def _wait_for_inputs(PDL: tl.constexpr):
 
 
 # Split-K arrival counts. When one output needs the work of several programs
-# (decode's splits of a context, the GEMV's splits of K), each program writes
+# (decode's splits of a context, the matmuls' splits of K), each program writes
 # its fp32 partial, then counts itself in with an atomic add on the output's
 # counter; the program that arrives last adds up the partials (in split
 # order, so the result never depends on timing), writes the output and sets
@@ -950,9 +959,9 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 
 # ----------------------------------------------------------------------------
 # RMSNorm and SiLU-and-mul for steps of many tokens
-# Past batch-1 decode (where the GEMV below applies them on the fly) these
-# elementwise steps run on their own: one program per token row, one read and
-# one write, one launch. An eager step issues about two hundred launches, so
+# Where neither matmul below applies them on the fly (past 16 rows, and the
+# shapes that cuBLAS takes) these elementwise steps run on their own: one
+# program per token row, one read and one write, one launch. An eager step issues about two hundred launches, so
 # what each costs the host counts as much as what it costs the device.
 
 
@@ -1019,7 +1028,7 @@ def silu_and_mul(x):
 
 
 # ----------------------------------------------------------------------------
-# Skinny matmul (GEMV) for decode batches
+# GEMV for batch-1 decode
 # With a few rows, y = x W^T is one read of the weight W and almost no math, so
 # its time is the weight's bytes over the memory bandwidth, and whatever else
 # the layer does to x (RMSNorm, SiLU-and-mul, the residual add) costs a launch
@@ -1028,7 +1037,9 @@ def silu_and_mul(x):
 
 # Rows up to which the engine takes this kernel. Each further row re-reads W
 # (from L2 at best), and on an H200 two rows already lose to cuBLAS with
-# separate elementwise kernels, so it serves batch-1 decode.
+# separate elementwise kernels, so it serves batch-1 decode. At one row it
+# is faster than the skinny matmul below (no tensor cores, no shared memory),
+# except on the largest weights (_skinny_config).
 GEMV_MAX_ROWS = 1
 
 
@@ -1187,10 +1198,8 @@ def _gemv_config_fp8(N, K):
     return 8, 1024, 1, 4  # down
 
 
-def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None,
-         scale=None):
-    """gemv_ref in one launch, meant for a few rows (see GEMV_MAX_ROWS). No host sync.
-    scale: the (N,) fp32 row scales of an e4m3 weight (quantize_fp8)."""
+def _matmul_out(x, weight, norm_weight, silu_mul, residual, out, scale):
+    """The boundary checks of gemv and skinny_matmul; returns out, (M, N), made if None."""
     M, K_in = x.shape
     N, K = weight.shape
     assert K_in == (2 * K if silu_mul else K), f"x has {K_in} features, weight {K}"
@@ -1200,6 +1209,15 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     for t in (out, residual):                   # (M, N) rows in x's dtype; residual optional
         assert t is None or (t.shape == (M, N) and t.dtype == x.dtype and t.stride(1) == 1)
+    return out
+
+
+def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None,
+         scale=None):
+    """gemv_ref in one launch, meant for a few rows (see GEMV_MAX_ROWS). No host sync.
+    scale: the (N,) fp32 row scales of an e4m3 weight (quantize_fp8)."""
+    M, N, K = x.shape[0], *weight.shape
+    out = _matmul_out(x, weight, norm_weight, silu_mul, residual, out, scale)
     if M == 0:
         return out
     BLOCK_N, BLOCK_K, SPLIT_K, num_warps = (_gemv_config if scale is None else _gemv_config_fp8)(N, K)
@@ -1220,6 +1238,239 @@ def gemv(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, ou
         NORM_BLOCK=min(4096, max(16, triton.next_power_of_2(K))),
         SILU_MUL=silu_mul, RESIDUAL=residual is not None, SCALE=scale is not None, PDL=USE_PDL,
         num_warps=num_warps, **PDL_LAUNCH,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Skinny matmul for decode batches of up to 16 rows
+# The GEMV above re-reads W for each further row. This kernel reads W once
+# for all the rows of x (a batch of a few users, or a speculative verify step
+# of 1 + k rows), on the tensor cores, with the same prologue and epilogue.
+
+# Rows up to which linear takes this kernel: one 16-row tile of x, the least
+# a tensor-core dot takes.
+SKINNY_MAX_ROWS = 16
+
+
+@triton.jit
+def _prefetch_to_l2(w_ptr, offs_n, k_lo, N, K, stride_wn, NUM_BYTES: tl.constexpr,
+                    ELEMENT_BYTES: tl.constexpr):
+    """Asks for the first NUM_BYTES of each of the rows offs_n of w, from column k_lo
+    on, to be brought into L2: one prefetch per 128-byte line, no registers held,
+    nothing waited for. Addresses past the matrix are clamped to its last row or column."""
+    offs_line = tl.arange(0, NUM_BYTES // 128) * (128 // ELEMENT_BYTES)
+    rows = tl.minimum(offs_n, N - 1)
+    cols = tl.minimum(k_lo + offs_line, K - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                              [w_ptr + rows[:, None] * stride_wn + cols[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled variant serves 1 to 16 rows
+def _skinny_kernel(
+    x_ptr,       # (M, K) input rows; (M, 2 K), gate then up, when SILU_MUL
+    w_ptr,       # (N, K) weight, rows contiguous as nn.Linear stores it (or e4m3: SCALE)
+    out_ptr,     # (M, N) result
+    norm_w_ptr,  # (K,) RMSNorm weight, read only when NORM
+    res_ptr,     # (M, N) residual added to the result, read only when RESIDUAL
+    scale_ptr,   # (N,) fp32 scale of each e4m3 weight row, read only when SCALE
+    part_ptr,    # (SPLIT_K, M, N) fp32 partial sums of the K splits (scratch)
+    sq_ptr,      # (SPLIT_K, tiles, BLOCK_M) fp32 partial sums of x^2 (scratch, NORM)
+    counts_ptr,  # (tiles,) int32 splits finished per tile, 0 between launches
+    M,           # rows
+    N,           # output features
+    K,           # input features
+    eps,         # RMSNorm epsilon
+    stride_xm,   # x stride between rows
+    stride_wn,   # w stride between rows
+    stride_om,   # out stride between rows
+    stride_rm,   # residual stride between rows (0: a bias every row shares)
+    BLOCK_M: tl.constexpr,   # rows of x in the tile: M rounded up, at least 16
+    BLOCK_N: tl.constexpr,   # output features per program
+    BLOCK_K: tl.constexpr,   # input features per loop step
+    SPLIT_K: tl.constexpr,   # programs sharing one tile's K
+    NORM: tl.constexpr,      # x -> norm_w * RMSNorm(x)
+    SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
+    RESIDUAL: tl.constexpr,  # out = residual + x W^T
+    SCALE: tl.constexpr,     # e4m3 weights, and x quantized as it streams in: an fp8 dot
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (_dot_precision)
+    PDL: tl.constexpr,       # launched with programmatic dependent launch (USE_PDL)
+    PREFETCH_BYTES: tl.constexpr,  # of each weight row, asked for into L2 before the PDL wait
+):
+    """Program (tile, split) computes out[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]
+    for every row, over the split-th of SPLIT_K equal runs of K.
+
+    The weight is the dot's left operand: acc (BLOCK_N, BLOCK_M) += W tile
+    (BLOCK_N, BLOCK_K) @ f(x)^T (BLOCK_K, BLOCK_M), so the tile's many weight
+    rows fill the tensor-core dot's long side and the few rows of x (zeros
+    below M) its short one ("swap AB"). Every row shares each weight tile
+    read, and Triton pipelines the loads (num_stages tiles in flight). An
+    e4m3 weight goes into the dot as it is: each step quantizes its slice of
+    f(x) to e4m3, a scale per row over those BLOCK_K columns, and scales the
+    step's fp32 product back (gemv_ref's x_group): no weight is widened.
+
+    Prologue: f(x) is computed on each step's slice, once per program (the
+    N / BLOCK_N programs of one split repeat it). RMSNorm's 1 / rms is a
+    factor per row, so it leaves the loop: the loop multiplies by norm_w and
+    sums x^2, and the epilogue multiplies each row by its 1 / rms (no first
+    pass over x). f(x) is computed in fp32 and rounded to x's dtype for the
+    dot, with fp32 accumulation.
+
+    Split-K and the epilogue are the GEMV's: the last split of a tile to
+    finish adds up the fp32 partials (and sums of squares). Memory traffic:
+    N * K weights (2 bytes in bf16, 1 in e4m3), plus (N / BLOCK_N) * M * K of
+    x from L2, and 2 * SPLIT_K * M * N fp32 partials.
+    """
+    tl.static_assert(not (NORM and SILU_MUL), "one prologue at a time")
+    tl.static_assert(BLOCK_M >= 16, "a tensor-core dot takes at least 16 rows")
+    tile, split = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n = offs_m < M, offs_n < N
+
+    # This split's run of K. Its first weight tiles are asked for into L2
+    # before the PDL wait (weights depend on no earlier kernel), so they are on
+    # their way while that kernel finishes; x, the residual and the split-K
+    # counts are read only after.
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:
+        _prefetch_to_l2(w_ptr, offs_n, k_lo, N, K, stride_wn, PREFETCH_BYTES,
+                        w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    _wait_for_inputs(PDL)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, BLOCK_K) at k = 0
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # (BLOCK_M, BLOCK_K) at k = 0
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # NORM: x^2, summed over K after the loop
+    if NORM:  # norm_w is read a step ahead, in registers: Triton pipelines only the dot's inputs
+        norm_w = tl.load(norm_w_ptr + k_lo + offs_k, mask=k_lo + offs_k < k_hi, other=0.0)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        mask_k = k0 + offs_k < k_hi
+        # -- one weight tile, shared by every row --
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        # -- the rows' slice of x, through the prologue --
+        mask = mask_m[:, None] & mask_k[None, :]                    # (BLOCK_M, BLOCK_K)
+        if SILU_MUL:
+            gate = tl.load(x_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + K + k0, mask=mask, other=0.0).to(tl.float32)
+            a = gate * tl.sigmoid(gate) * up
+        else:
+            a = tl.load(x_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            norm_w_next = tl.load(norm_w_ptr + k0 + BLOCK_K + offs_k,
+                                  mask=k0 + BLOCK_K + offs_k < k_hi, other=0.0)
+            sq += a * a
+            a *= norm_w.to(tl.float32)[None, :]
+            norm_w = norm_w_next
+        # -- acc += w @ f(x)^T --
+        if SCALE:  # x to e4m3, each row's slice scaled by its own largest magnitude
+            x_scale = tl.maximum(tl.max(tl.abs(a), 1), 1e-12) / 448.0  # (BLOCK_M,)
+            q = (a / x_scale[:, None]).to(w.dtype)
+            acc += tl.dot(w, tl.trans(q)) * x_scale[None, :]
+        else:
+            a = a.to(x_ptr.dtype.element_ty)
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    sum_sq = tl.sum(sq, 1)                                          # (BLOCK_M,)
+
+    mask = mask_n[:, None] & mask_m[None, :]                       # (BLOCK_N, BLOCK_M)
+    offs_part = offs_m[None, :] * N + offs_n[:, None]              # in one split's (M, N)
+    if SPLIT_K > 1:  # -- the last split of the tile to finish adds up all of them --
+        tl.store(part_ptr + split * M * N + offs_part, acc, mask=mask)
+        offs_sq = tile * BLOCK_M + offs_m                       # in one split's (tiles, BLOCK_M)
+        if NORM:
+            tl.store(sq_ptr + split * tl.num_programs(0) * BLOCK_M + offs_sq, sum_sq)
+        tl.debug_barrier()  # all of this program's partial is written before it counts in
+        if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel") < SPLIT_K - 1:
+            return
+        tl.atomic_xchg(counts_ptr + tile, 0)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        sum_sq = tl.zeros([BLOCK_M], tl.float32)
+        for s in range(SPLIT_K):  # ".cg": read the other SMs' partials from L2, not a stale L1
+            acc += tl.load(part_ptr + s * M * N + offs_part, mask=mask, cache_modifier=".cg")
+            if NORM:
+                sum_sq += tl.load(sq_ptr + s * tl.num_programs(0) * BLOCK_M + offs_sq,
+                                  cache_modifier=".cg")
+
+    if NORM:
+        acc *= tl.rsqrt(sum_sq / K + eps)[None, :]
+    if SCALE:  # e4m3 weights: the row's scale, once per output rather than per weight
+        acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
+    y = acc.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        r = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=mask)
+
+
+# (N, K, e4m3 weights, rows) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), or
+# None where another kernel read the weight faster: the GEMV at one row, except on
+# weights of 48 MB and more (the LM head aside); cuBLAS, with its separate norm,
+# SiLU-and-mul and add kernels, for bf16 down at K >= 8192 and Llama-3.1-8B's bf16
+# gate_up past one row. From sweeps on an H200 (each matrix alone, 1 to 16 rows, in a
+# CUDA graph of launches over weights larger than L2; Llama-3.1-8B's, Llama-3.2-1B's
+# and Qwen3-0.6B's shapes). In fp8 a step takes 128 columns: x's quantization runs are
+# BLOCK_K long, and 256-column runs, or one scale per token, cost SmolLM2-135M more
+# than test_fp8_quality_smol allows.
+def _skinny_config(N, K, fp8, M):
+    if M == 1 and (N * K * (1 if fp8 else 2) < 48e6 or N > 65536):
+        return None                                     # the GEMV
+    if fp8:
+        if K > N:                                       # down
+            return (128, 128, 16, 8, 4) if K > 8192 else (64, 128, 8, 4, 6)
+        return 64, 128, (1 if N > 4 * K else 4), 4, 4  # qkv, o, gate_up
+    if N > 65536:                                       # the LM head
+        return 128, 128, 1, 8, 4
+    if K >= 8192 or (N > 4 * K and K > 2048 and M > 1):  # down; gate_up at D = 4096
+        return None                                     # cuBLAS
+    if N > 4 * K:                                       # gate_up
+        return (64, 128, 1, 4, 4) if K > 1024 else (64, 128, 4, 4, 3)
+    if K > N:                                           # Qwen3-0.6B's o and down
+        return (64, 128, 4, 4, 4) if K <= 2048 else (128, 128, 8, 8, 4)
+    if K <= 1024:                                       # qkv at D = 1024
+        return 64, 256, 2, 4, 3
+    return 64, 128, 4, 4, (3 if N > K else 4)          # qkv, o
+
+
+def skinny_matmul(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out=None,
+                  scale=None):
+    """gemv_ref in one launch, for up to 16 rows (SKINNY_MAX_ROWS) and more, where
+    _skinny_config has tiles for the shape and rows. No host sync. scale: the (N,)
+    fp32 row scales of an e4m3 weight (quantize_fp8); x then goes into the dot as
+    e4m3 too, in runs of BLOCK_K columns (gemv_ref's x_group)."""
+    M, N, K = x.shape[0], *weight.shape
+    out = _matmul_out(x, weight, norm_weight, silu_mul, residual, out, scale)
+    if M == 0:
+        return out
+    config = _skinny_config(N, K, scale is not None, M)
+    assert config is not None, f"no tiles for {M} x {N} x {K}: linear takes another kernel there"
+    BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages = config
+    if x.dtype == torch.float32:    # 4-byte rows: fewer columns a step, so the stages fit
+        BLOCK_K = min(BLOCK_K, 64)  # in shared memory
+    BLOCK_M = max(16, triton.next_power_of_2(M))
+    SPLIT_K = min(SPLIT_K, triton.cdiv(K, BLOCK_K))
+    grid = (triton.cdiv(N, BLOCK_N), SPLIT_K)
+    assert grid[0] <= SPLIT_K_NUM_COUNTERS
+    scratch = functools.partial(torch.empty, dtype=torch.float32, device=x.device)
+    part = out if SPLIT_K == 1 else scratch(SPLIT_K, M, N)
+    sq = out if SPLIT_K == 1 or norm_weight is None else scratch(SPLIT_K, grid[0], BLOCK_M)
+    k_run = triton.cdiv(triton.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K  # columns of a split
+    prefetch = min(num_stages * BLOCK_K, k_run) * weight.element_size()   # bytes of a row
+    _skinny_kernel[grid](
+        x, weight, out,
+        weight if norm_weight is None else norm_weight,  # never read without NORM
+        out if residual is None else residual,           # never read without RESIDUAL
+        out if scale is None else scale,                 # never read without SCALE
+        part, sq, _split_k_counts(x.device),             # never touched without SPLIT_K > 1
+        M, N, K, eps, x.stride(0), weight.stride(0), out.stride(0),
+        out.stride(0) if residual is None else residual.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
+        NORM=norm_weight is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
+        SCALE=scale is not None, DOT_PRECISION=_dot_precision(x.dtype),
+        PDL=USE_PDL, PREFETCH_BYTES=max(128, 1 << (prefetch.bit_length() - 1)),
+        num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH,
     )
     return out
 
@@ -1259,6 +1510,15 @@ def quantize_fp8(weight):                             # (N, K) -> (N, K) e4m3
 def linear_fp8_ref(x, weight, scale):                 # (N_tok, K), (N, K) e4m3, (N,) fp32
     """x @ (scale * weight)^T, computed as the kernels do: in fp32, scaled per output."""
     return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
+
+
+def fp8_activations_ref(x, group):                    # (M, K) -> (M, K)
+    """x as an fp8 matmul sees it: each row's runs of `group` columns (the last
+    one shorter) rounded to e4m3 with a scale of their own, and scaled back."""
+    M, K = x.shape
+    runs = F.pad(x.float(), (0, -K % group)).view(-1, group)
+    q, scale = _to_fp8(runs)
+    return (q.float() * scale).view(M, -1)[:, :K].to(x.dtype)
 
 
 def quantize_rows_ref(x, norm_weight=None, eps=0.0, silu_mul=False):  # (M, K) -> (M, K) e4m3, (M, 1)
@@ -1317,8 +1577,8 @@ def quantize_rows(x, norm_weight=None, eps=0.0, silu_mul=False):  # (M, K) -> (M
 
 
 def linear_fp8(x, weight, norm_weight, eps, silu_mul):  # (N_tok, K) -> (N_tok, N)
-    """f(x) @ weight.T for an fp8 weight past batch 1 (GEMV_MAX_ROWS), on the GPU in bf16: the
-    fp8 tensor cores (torch._scaled_mm). x is quantized too, one scale per token (per row), in
+    """f(x) @ weight.T for an fp8 weight past the GEMV and the skinny matmul, on the GPU in bf16:
+    the fp8 tensor cores (torch._scaled_mm). x is quantized too, one scale per token (per row), in
     one launch that also applies f (quantize_rows), and _scaled_mm multiplies by both scales on
     its way out. linear adds the residual."""
     xq, x_scale = quantize_rows(x, norm_weight, eps, silu_mul)   # (N_tok, K) e4m3, (N_tok, 1)
