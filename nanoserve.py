@@ -266,8 +266,9 @@ def load_weights(model: nn.Module, cfg: Config):
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
 # paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). pa.linear
-# applies a norm to a matmul's input and adds a residual to its output, at batch 1 on the GPU in the
-# one kernel that reads the weight. So Attention and MLP take their block's norm and residual.
+# applies a norm to a matmul's input and adds a residual to its output, at decode batches of up to
+# 16 rows on the GPU in the one kernel that reads the weight. So Attention and MLP take their
+# block's norm and residual.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
