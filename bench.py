@@ -1023,7 +1023,8 @@ def serve(args, model_dir, hw):
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     cuda = args.device.startswith("cuda")
     points, samples, all_at_once = [], {}, None   # all_at_once: (payloads, tok/s) of rate inf, graphs
-    for eager in ([False, True] if cuda and not args.enforce_eager else [bool(args.enforce_eager)]):
+    both = cuda and not args.enforce_eager and not args.graphs_only
+    for eager in ([False, True] if both else [bool(args.enforce_eager)]):
         args.enforce_eager = eager or None
         mode = "eager" if eager else "graphs" if cuda else "cpu"
         log_path = Path(args.out_dir) / f"serve_{mode}.log"
@@ -1978,6 +1979,7 @@ def parse_args(argv=None):
         g.add_argument("--" + name.replace("_", "-"), type=int)
     g.add_argument("--attention", choices=["triton", "sdpa", "torch"])
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument("--graphs-only", action="store_true", help="serve: skip the --enforce-eager pass")
     g.add_argument("--quantization", choices=["fp8"], help="fp8 weights (nanoserve only; GB/s count "
                                                            "the bytes read: 1 per layer weight)")
 
