@@ -3604,6 +3604,8 @@ def child_stopped_on_error(process, outbox):
                 process.join()
         raise
 
+_spawning = threading.Lock()   # held by sigint_held while children spawn (_exit_with waits)
+
 @contextlib.contextmanager
 def sigint_held():
     """Around spawning a process that leaves Ctrl-C to its parent (the chapter's opening): the
@@ -3613,6 +3615,7 @@ def sigint_held():
     engine core, which ignores it.
     multiprocessing's resource tracker unblocks SIGINT once it has started, so it starts first."""
     multiprocessing.resource_tracker.ensure_running()
+    _spawning.acquire()
     main = threading.current_thread() is threading.main_thread()   # where signals are set
     held, sigint = [], signal.getsignal(signal.SIGINT) if main else None   # None: not Python's
     if sigint is not None:
@@ -3624,6 +3627,7 @@ def sigint_held():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         if sigint is not None:
             signal.signal(signal.SIGINT, sigint)
+        _spawning.release()
     if held:
         signal.raise_signal(signal.SIGINT)
 
@@ -3645,11 +3649,14 @@ def _exit_with(ends):
     """Waits until the parent has exited (its sentinel turns readable) or the outbox's reader is
     gone (a pipe's sending end then turns ready, with an error). Then it kills this process's
     children, a tensor-parallel rank 0's workers, since one still importing torch would not see
-    its parent's death until the import ends. Then this process exits."""
+    its parent's death until the import ends. Then this process exits. A child being spawned
+    (sigint_held) is waited for: were this process to exit before it sends the child its
+    start-up data, the child would print a traceback of that pipe's EOF."""
     multiprocessing.connection.wait(ends)
-    for child in multiprocessing.active_children():
-        child.kill()
-    os._exit(1)
+    with _spawning:
+        for child in multiprocessing.active_children():
+            child.kill()
+        os._exit(1)
 
 if __name__ == "__main__":
     main()
