@@ -1085,7 +1085,8 @@ class RequestState:
                  incremental: bool, index: int = 0, queue: Optional[asyncio.Queue] = None):
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
         self.index = index                # which of a server request's choices
-        self.incremental = incremental or bool(params.stop)  # text per step, not at the end
+        # text per step, not at the end (chapter: stop strings: a stop string needs it)
+        self.incremental = incremental or bool(params.stop)
         self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
         # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
@@ -1098,7 +1099,7 @@ class RequestState:
         self.queue = queue                # the server's: _deliver puts each change
 
     def take_delta(self) -> Delta:
-        """All new since the last call; until the end, less a tail that could grow into a stop."""
+        """All new since the last call (less a tail held back: chapter: stop strings)."""
         hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
         end = max(self.num_sent_chars, len(self.text) - hold)
         n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
@@ -1193,12 +1194,9 @@ class FrontEnd:
         self._detokenize([s for s in states if s.incremental or s.finish_reason])   # or at the end
         stopped = []
         for state, num_chars in changed.values():
-            # every token is checked, the last too: a stop string at max_tokens still ends in "stop"
-            if state.params.stop and not state.error and \
-                    self._truncate_at_stop_string(state, num_chars):
-                if state.finish_reason is None:        # the engine core still runs it
-                    stopped.append(state.request_id)
-                state.finish_reason = "stop"
+            # chapter: stop strings (True: one ended a request the engine core still runs)
+            if state.params.stop and end_at_stop_string(self, state, num_chars):
+                stopped.append(state.request_id)
             if state.finish_reason is not None:
                 del self.states[state.request_id]
                 state.finish_time = now
@@ -1226,23 +1224,6 @@ class FrontEnd:
             if len(after) > len(before) and done == after:   # no half character: move on
                 s.prefix_offset, s.read_offset = s.read_offset, len(s.token_ids)
                 s.num_read_chars = len(s.text)
-
-    def _truncate_at_stop_string(self, state: RequestState, num_old_chars: int) -> bool:
-        """Cut the text at the earliest stop string; a new match ends inside this call's text.
-        Several tokens may arrive in one call (steps batched behind the server, or a chapter's
-        accepted drafts). Those after the token that completes the stop string are cut too, with
-        their log-probs: the output is the same as if they had come one at a time."""
-        matches = [(i, i + len(stop)) for stop in state.params.stop
-                   if (i := state.text.find(stop, max(0, num_old_chars - len(stop) + 1))) != -1]
-        if not matches:
-            return False
-        first, end = min(matches)
-        n = len(state.token_ids)   # walk back to the fewest whose text holds the match
-        while n > 1 and self.decode(state.token_ids[:n - 1]).startswith(state.text[:end]):
-            n -= 1
-        del state.token_ids[n:], state.logprobs[n:]
-        state.text = state.text[:first]
-        return True
 
 class LLM:
     """Offline generation in vLLM's shape: LLM(model_dir).generate(prompts, SamplingParams(...))
@@ -2005,6 +1986,43 @@ class EngineCoreClient:
         for state in states:
             self.metrics.observe(state, now)      # chapter: the rest of the OpenAI API (/metrics)
             state.queue.put_nowait(state)
+
+# ---------------------------------------------------------------------------
+# Chapter: stop strings
+# A request's stop strings end its text where the first of them begins; the text and the tokens
+# past it are dropped. The engine core sees only token ids, so the front end finds them, and a
+# request they end is aborted in the engine core (FrontEnd.process's `stopped`). A stop string
+# may span tokens, and several tokens may arrive in one call of process (steps batched behind
+# the server, or a chapter's accepted drafts). So the text is kept per step (incremental), each
+# call's new text is searched with the few characters before it, and a stream holds back the
+# tail of its text that could still grow into a stop string (take_delta's hold).
+# Seams: RequestState (incremental; take_delta's hold), FrontEnd.process (end_at_stop_string).
+
+def end_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars: int) -> bool:
+    """End state at its earliest stop string, if its text holds one now: cut it ("stop"). Every
+    token is checked, the last too, so a stop string at max_tokens still ends in "stop". True if
+    the engine core still runs the request (to abort)."""
+    if state.error or not _truncate_at_stop_string(front, state, num_old_chars):
+        return False
+    running, state.finish_reason = state.finish_reason is None, "stop"
+    return running
+
+def _truncate_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars: int) -> bool:
+    """Cut the text at the earliest stop string; a new match ends inside this call's text.
+    Several tokens may arrive in one call (steps batched behind the server, or a chapter's
+    accepted drafts). Those after the token that completes the stop string are cut too, with
+    their log-probs: the output is the same as if they had come one at a time."""
+    matches = [(i, i + len(stop)) for stop in state.params.stop
+               if (i := state.text.find(stop, max(0, num_old_chars - len(stop) + 1))) != -1]
+    if not matches:
+        return False
+    first, end = min(matches)
+    n = len(state.token_ids)   # walk back to the fewest whose text holds the match
+    while n > 1 and front.decode(state.token_ids[:n - 1]).startswith(state.text[:end]):
+        n -= 1
+    del state.token_ids[n:], state.logprobs[n:]
+    state.text = state.text[:first]
+    return True
 
 # ---------------------------------------------------------------------------
 # Chapter: prefix caching

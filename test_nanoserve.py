@@ -623,7 +623,7 @@ def test_stop_strings_cut_at_the_earliest_match(smol_llm):
     order in the list (the text must contain none of them)."""
     state = ns.RequestState("r", [1], ns.SamplingParams(stop=["b", "a"]), incremental=True)
     state.text = "xab"
-    assert smol_llm.front._truncate_at_stop_string(state, 1) and state.text == "x"
+    assert ns._truncate_at_stop_string(smol_llm.front, state, 1) and state.text == "x"
 
 
 def test_stop_string_completed_by_the_last_token(smol_llm):
