@@ -94,6 +94,7 @@ import triton.language as tl
 # the pool through the step's AttentionMetadata (as decode when every sequence
 # brings one token).
 
+# -- the layers' (the reading path's stop 3: from here to linear) --
 
 def _gather_kv_ref(cache, block_table, L):
     """The first L tokens of one sequence, gathered through its block table."""
@@ -194,15 +195,6 @@ def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
-def apply_token_mask_ref(logits, rows, bitmask):   # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
-    """-inf in place for tokens a row's grammar forbids next: bit j of int32 word i of bitmask
-    row r allows token 32 i + j of logit row rows[r]. Returns logits."""
-    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
-    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits
-
-
 def norm(x, weight, eps):                                   # (N_tok, D)
     """RMSNorm (rms_norm_ref): one Triton launch on the GPU, torch ops on the CPU."""
     return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
@@ -253,6 +245,11 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
     return y if residual is None else residual + y
 
 
+# Each Attention layer's (rope_store, attend) pair comes from ATTENTION, this file's last section.
+
+
+# -- the sampler's --
+
 def argmax_rows(logits):                                      # (B, V)
     """argmax over the vocabulary, as a two-level reduction: a lone row is too little work for
     one reduction kernel (one block would walk all V entries, ~25 us for Llama-3's vocabulary),
@@ -264,6 +261,15 @@ def argmax_rows(logits):                                      # (B, V)
     best, idx = logits.view(B, 64, V // 64).max(dim=-1)       # (B, 64) each
     chunk = best.argmax(dim=-1, keepdim=True)                 # (B, 1)
     return (chunk * (V // 64) + idx.gather(1, chunk)).squeeze(1)
+
+
+def apply_token_mask_ref(logits, rows, bitmask):   # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
+    """-inf in place for tokens a row's grammar forbids next: bit j of int32 word i of bitmask
+    row r allows token 32 i + j of logit row rows[r]. Returns logits."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # (R, V/32, 32)
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()                       # (R, V)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def apply_token_mask(logits, rows, bitmask):     # (B, V) fp32, (R,) int64, (R, cdiv(V, 32))
@@ -324,6 +330,8 @@ def apply_top_k_top_p(logits, top_ks, top_ps):               # (B, V), (B,), (B,
     sorted_logits.masked_fill_(cut, -float("inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
+
+# -- the model runner's --
 
 def to_device(device, data, dtype):
     """Host data as a tensor on device, through pinned memory: the copy does not make the host
