@@ -867,7 +867,8 @@ class ModelRunner:
     # -- forward and sample --
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Optional[LaunchedStep] = None) -> LaunchedStep:
-        """Queue one step on the device."""
+        """Queue one step on the device. (prev: chapter: async scheduling, the step still on the
+        device, whose samples are some of this step's inputs; None when off.)"""
         inputs = self.prepare(batch, prev)
         if inputs.graph is not None:           # chapter: CUDA graphs
             graph, hidden = inputs.graph
