@@ -1650,6 +1650,12 @@ def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K, split_k, monkeyp
     32-column steps leaves the last split empty. Run twice: the split-K
     counts must be back at 0 after each launch."""
     monkeypatch.setattr(pa, "_gemv_config", lambda N, K: (16, 32, split_k, 4))
+    check_fused_matmul(pa.gemv, device, dtype, norm, silu_mul, residual, M, N, K, split_k)
+
+
+def check_fused_matmul(kernel, device, dtype, norm, silu_mul, residual, M, N, K, split_k):
+    """kernel (pa.gemv or pa.skinny_matmul) against gemv_ref in fp32 on the same inputs, twice:
+    the split-K counts must be back at 0 after each launch."""
     gen = torch.Generator().manual_seed(M * N + K)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     x, w = rand(M, 2 * K if silu_mul else K), rand(N, K) / K ** 0.5
@@ -1659,9 +1665,9 @@ def test_gemv(device, dtype, norm, silu_mul, residual, M, N, K, split_k, monkeyp
     ref = pa.gemv_ref(x.float(), w.float(), up(norm_w), 1e-5, silu_mul, up(res))
     for _ in range(2):
         out = nan_like(torch.empty(M, N, dtype=dtype, device=device))
-        assert pa.gemv(x, w, norm_w, 1e-5, silu_mul, res, out=out) is out
-        compare(out, ref, dtype, f"gemv M={M} N={N} K={K} split {split_k} norm={norm} "
-                                 f"silu={silu_mul} res={residual}")
+        assert kernel(x, w, norm_w, 1e-5, silu_mul, res, out=out) is out
+        compare(out, ref, dtype, f"{kernel.__name__} M={M} N={N} K={K} split {split_k} "
+                                 f"norm={norm} silu={silu_mul} res={residual}")
         assert (pa._split_k_counts(out.device) == 0).all(), "split-K counts not reset"
 
 
@@ -1699,19 +1705,7 @@ def test_skinny_matmul(device, dtype, norm, silu_mul, residual, M, N, K, split_k
     last split (4 splits over K = 160 in 32-column steps), 1, 5 and 16 rows in one 16-row
     tile of x and 17 in a 32-row one. Run twice: the split-K counts must be back at 0."""
     monkeypatch.setattr(pa, "_skinny_config", lambda N, K, fp8, M: (16, 32, split_k, 4, 2))
-    gen = torch.Generator().manual_seed(M * N + K)
-    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
-    x, w = rand(M, 2 * K if silu_mul else K), rand(N, K) / K ** 0.5
-    norm_w = rand(K) if norm else None
-    res = rand(M, N) if residual else None
-    up = lambda t: None if t is None else t.float()  # noqa: E731
-    ref = pa.gemv_ref(x.float(), w.float(), up(norm_w), 1e-5, silu_mul, up(res))
-    for _ in range(2):
-        out = nan_like(torch.empty(M, N, dtype=dtype, device=device))
-        assert pa.skinny_matmul(x, w, norm_w, 1e-5, silu_mul, res, out=out) is out
-        compare(out, ref, dtype, f"skinny M={M} N={N} K={K} split {split_k} norm={norm} "
-                                 f"silu={silu_mul} res={residual}")
-        assert (pa._split_k_counts(out.device) == 0).all(), "split-K counts not reset"
+    check_fused_matmul(pa.skinny_matmul, device, dtype, norm, silu_mul, residual, M, N, K, split_k)
 
 
 @pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
