@@ -919,6 +919,11 @@ class EngineCoreRequest:
     params: SamplingParams
 
 @dataclass
+class EngineCoreAbort:
+    """Stop this request (its client left, or a stop string ended it)."""
+    request_id: str
+
+@dataclass
 class EngineCoreOutput:
     """What one step produced for one request."""
     request_id: str
@@ -1301,6 +1306,61 @@ class LLM:
 # [{"index": 0, "message": {"role": "assistant", "content": "Paris"}, "finish_reason": "stop"}],
 # "usage": {...}}. A completions request's choices carry "text" instead of "delta" or "message".
 
+# -- the engine core's client: choices out, their states back, on the event loop --
+class EngineCoreClient:
+    """The server's handle on the engine core, which runs in a process of its own (chapter: the
+    engine core process starts it, and carries the messages over two pipes). generate sends a
+    request's choices and yields their states as they change. _deliver, on the event loop, hands
+    each step's outputs to their requests' queues (a slow loop gets several steps' tokens at
+    once). It knows no HTTP: a failed request ends with finish_reason "error"."""
+    def __init__(self, cfg: Config, setup=None):
+        # chapter: the engine core process (its stats once loaded; a queue of what to send it)
+        self.stats, self.outgoing = start_engine_core(self, cfg, setup)
+        self.error = ""                                   # why the engine core is gone (faults)
+        self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
+        self.metrics = ServerMetrics(self)        # chapter: the rest of the OpenAI API (/metrics)
+
+    def shutdown(self):
+        stop_engine_core(self)                      # chapter: the engine core process
+
+    async def generate(self, requests: list):
+        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
+        RequestState at each change until all finish. However the caller stops (done, client
+        gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
+        changed = asyncio.Queue()                         # RequestStates of this request's choices
+        requests = [self.front.add(ids, p, index=i, queue=changed)
+                    for i, (ids, p) in enumerate(requests)]
+        unfinished = {r.request_id for r in requests}
+        try:
+            if self.error:                          # died since the handler checked
+                fail_all(self)                      # chapter: faults
+            self.outgoing.put(requests)             # a dead process: receive says so
+            while unfinished:
+                state = await changed.get()
+                if state.request_id in unfinished:  # else a late repeat of a finished one
+                    if state.finish_reason is not None:
+                        unfinished.discard(state.request_id)
+                    yield state
+        finally:
+            for request_id in unfinished:
+                self.front.states.pop(request_id, None)
+            self._abort(list(unfinished))
+
+    def _abort(self, request_ids: list):
+        if request_ids and not self.error:
+            self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
+
+    def _deliver(self, messages: list):
+        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
+        self.stats = messages[-1].stats
+        states, stopped = self.front.process([o for m in messages for o in m.outputs])
+        self._abort(stopped)
+        now = time.perf_counter()                          # one clock reading for the whole batch
+        for state in states:
+            self.metrics.observe(state, now)      # chapter: the rest of the OpenAI API (/metrics)
+            state.queue.put_nowait(state)
+
+
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
@@ -1576,8 +1636,9 @@ def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        threading.Thread(target=client.receive, args=(asyncio.get_running_loop(),),
-                         name="engine-core-outputs", daemon=True).start()
+        threading.Thread(target=receive_outputs, args=(client, asyncio.get_running_loop()),
+                         name="engine-core-outputs", daemon=True).start()   # chapter: the
+        # engine core process (the outputs' pipe, read off the loop, handed to _deliver)
         yield
 
     # chapter: the rest of the OpenAI API (error_response: every error in OpenAI's shape)
@@ -1823,25 +1884,21 @@ def profile_peak_bytes(runner: ModelRunner) -> int:
 #     server       main (the event loop)   the handlers and response shapes (Server), and
 #                                          _deliver: FrontEnd.process, each request's queue
 #     server       engine-core-inputs      _send_all: requests and aborts into the inbox pipe
-#     server       engine-core-outputs     receive: the outbox pipe, handed to the event loop
+#     server       engine-core-outputs     receive_outputs: the outbox pipe, to the event loop
 #     engine core  main                    run_engine_core: the step loop, which owns the device
 #     engine core  one sender              the outputs into the outbox pipe
 #
 # Two pipes join the processes. Into the engine core go lists of EngineCoreRequest and
 # EngineCoreAbort. Out of it come its stats once it is ready (or why it failed), then one
 # EngineCoreOutputs per turn of its loop. Closing the inbox stops it.
-# Seams: OpenAIServer (its client), build_app (the receiving thread), serve (EngineCoreClient).
+# Seams: EngineCoreClient.__init__ and shutdown (start_engine_core, stop_engine_core), build_app
+# (receive_outputs, the receiving thread).
 
 @dataclass
 class EngineCoreOutputs:
     """What one turn of the engine core's loop sends back: a step's outputs, or none."""
     outputs: list                     # EngineCoreOutput: one per token kept, one per failure
     stats: dict                       # engine_stats after the step (for /metrics)
-
-@dataclass
-class EngineCoreAbort:
-    """Stop this request (its client left, or a stop string ended it)."""
-    request_id: str
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """The engine core process's main thread. It owns the scheduler, the BlockAllocator, the
@@ -1889,104 +1946,65 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         sender.submit(outbox.send, EngineCoreOutputs(outputs, engine_stats(core))) # gone: EOF above
         exit_on_failed_step(core.runner.workers, sender)      # chapter: tensor parallelism
 
-# -- the server's end of the pipes: EngineCoreClient, on the event loop --
-class EngineCoreClient:
-    """Starts the engine core process, sends it requests and aborts (_send_all), hands its outputs
-    back to each request's queue (receive, _deliver: a slow loop gets several steps' tokens at
-    once). It knows no HTTP: a failed request ends with finish_reason "error"."""
-    def __init__(self, cfg: Config, setup=None):
-        ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
-        inbox_end, self.inbox = ctx.Pipe(duplex=False)     # server -> engine core
-        self.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
-        self.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
-                                   args=(cfg, inbox_end, outbox_end, setup), daemon=True)
-        with child_stopped_on_error(self.process, self.outbox):   # chapter: faults (Ctrl-C)
-            with sigint_held():                # chapter: faults (Ctrl-C is the server's)
-                self.process.start()
-            inbox_end.close()                  # the child's ends, closed here: a dead child
-            outbox_end.close()                 # then reads as EOF
-            try:
-                ready = self.outbox.recv()    # stats once loaded, or why it failed
-            except EOFError:
-                self.process.join(5)
-                ready = f"the engine core exited with code {self.process.exitcode}"
-        if isinstance(ready, str):
-            raise ValueError(ready)
-        self.stats, self.error = ready.stats, ""    # error: why the engine core is gone
-        self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
-        self.outgoing = queue.SimpleQueue()   # to _send_all: lists of requests or aborts, or None
-        threading.Thread(target=self._send_all, name="engine-core-inputs", daemon=True).start()
-        self.metrics = ServerMetrics(self)        # chapter: the rest of the OpenAI API (/metrics)
-
-    def shutdown(self):
-        self.outgoing.put(None)                # after the sends queued before: EOF over there
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-
-    async def generate(self, requests: list):
-        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
-        RequestState at each change until all finish. However the caller stops (done, client
-        gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
-        changed = asyncio.Queue()                         # RequestStates of this request's choices
-        requests = [self.front.add(ids, p, index=i, queue=changed)
-                    for i, (ids, p) in enumerate(requests)]
-        unfinished = {r.request_id for r in requests}
+# -- the server's end of the pipes: start, send, receive, stop --
+def start_engine_core(client: EngineCoreClient, cfg: Config, setup=None) -> tuple:
+    """Spawn the engine core process with its two pipes (client.process, client.inbox,
+    client.outbox) and wait until it has loaded. Returns its first stats, and the queue that
+    _send_all empties into the inbox on a thread of its own."""
+    ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
+    inbox_end, client.inbox = ctx.Pipe(duplex=False)     # server -> engine core
+    client.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
+    client.process = ctx.Process(target=run_engine_core, name="nanoserve-engine-core",
+                                 args=(cfg, inbox_end, outbox_end, setup), daemon=True)
+    with child_stopped_on_error(client.process, client.outbox):   # chapter: faults (Ctrl-C)
+        with sigint_held():                # chapter: faults (Ctrl-C is the server's)
+            client.process.start()
+        inbox_end.close()                  # the child's ends, closed here: a dead child
+        outbox_end.close()                 # then reads as EOF
         try:
-            if self.error:                          # died since the handler checked
-                fail_all(self)                      # chapter: faults
-            self.outgoing.put(requests)             # a dead process: receive says so
-            while unfinished:
-                state = await changed.get()
-                if state.request_id in unfinished:  # else a late repeat of a finished one
-                    if state.finish_reason is not None:
-                        unfinished.discard(state.request_id)
-                    yield state
-        finally:
-            for request_id in unfinished:
-                self.front.states.pop(request_id, None)
-            self._abort(list(unfinished))
+            ready = client.outbox.recv()   # stats once loaded, or why it failed
+        except EOFError:
+            client.process.join(5)
+            ready = f"the engine core exited with code {client.process.exitcode}"
+    if isinstance(ready, str):
+        raise ValueError(ready)
+    outgoing = queue.SimpleQueue()   # to _send_all: lists of requests or aborts, or None
+    threading.Thread(target=_send_all, args=(client.inbox, outgoing), name="engine-core-inputs",
+                     daemon=True).start()
+    return ready.stats, outgoing
 
-    def _abort(self, request_ids: list):
-        if request_ids and not self.error:
-            self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
+def stop_engine_core(client: EngineCoreClient):
+    client.outgoing.put(None)              # after the sends queued before: EOF over there
+    client.process.join(10)
+    if client.process.is_alive():
+        client.process.kill()
 
-    def _send_all(self):
-        """The sending thread, so that the event loop never blocks on a pipe full mid-step. Each
-        message takes all that waits, in order: one message per request, at a burst, would queue
-        each behind the last for the GIL, which the busy event loop holds."""
-        items = []
-        with contextlib.suppress(OSError):     # the engine core is gone: receive says so
-            while None not in items:           # None: shut down, after all queued before it
-                items = [self.outgoing.get()]
-                while not self.outgoing.empty():
-                    items.append(self.outgoing.get())
-                self.inbox.send([x for item in items if item is not None for x in item])
-        self.inbox.close()
+def _send_all(inbox, outgoing: queue.SimpleQueue):
+    """The sending thread, so that the event loop never blocks on a pipe full mid-step. Each
+    message takes all that waits, in order: one message per request, at a burst, would queue
+    each behind the last for the GIL, which the busy event loop holds."""
+    items = []
+    with contextlib.suppress(OSError):     # the engine core is gone: receive_outputs says so
+        while None not in items:           # None: shut down, after all queued before it
+            items = [outgoing.get()]
+            while not outgoing.empty():
+                items.append(outgoing.get())
+            inbox.send([x for item in items if item is not None for x in item])
+    inbox.close()
 
-    def receive(self, loop: asyncio.AbstractEventLoop):
-        """The receiving thread, started with the event loop. It blocks on the pipe without the
-        GIL, and hands `loop` all that has arrived in one call. (A reader on the loop would need
-        the pipe non-blocking, as uvloop makes it, and would get messages in pieces.)"""
-        with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
-            try:
-                while True:
-                    messages = [self.outbox.recv()]
-                    while self.outbox.poll():
-                        messages.append(self.outbox.recv())
-                    loop.call_soon_threadsafe(self._deliver, messages)
-            except (EOFError, OSError):
-                loop.call_soon_threadsafe(engine_died, self)   # chapter: faults
-
-    def _deliver(self, messages: list):
-        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
-        self.stats = messages[-1].stats
-        states, stopped = self.front.process([o for m in messages for o in m.outputs])
-        self._abort(stopped)
-        now = time.perf_counter()                          # one clock reading for the whole batch
-        for state in states:
-            self.metrics.observe(state, now)      # chapter: the rest of the OpenAI API (/metrics)
-            state.queue.put_nowait(state)
+def receive_outputs(client: EngineCoreClient, loop: asyncio.AbstractEventLoop):
+    """The receiving thread, started with the event loop. It blocks on the pipe without the GIL,
+    and hands `loop` all that has arrived in one call (client._deliver). (A reader on the loop
+    would need the pipe non-blocking, as uvloop makes it, and would get messages in pieces.)"""
+    with contextlib.suppress(RuntimeError):   # the loop is closed: the server stopped
+        try:
+            while True:
+                messages = [client.outbox.recv()]
+                while client.outbox.poll():
+                    messages.append(client.outbox.recv())
+                loop.call_soon_threadsafe(client._deliver, messages)
+        except (EOFError, OSError):
+            loop.call_soon_threadsafe(engine_died, client)   # chapter: faults
 
 # ---------------------------------------------------------------------------
 # Chapter: stop strings
