@@ -73,7 +73,7 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-
 # Config
 # One dataclass holds every setting. The engine's come from the caller, and each is a CLI flag.
 # The architecture's come from config.json (__post_init__). So a Config is always complete and
-# checked. The help strings use four words that later sections tell whole. The KV pool holds every
+# checked. The help strings use five words that later sections tell whole. The KV pool holds every
 # sequence's keys and values, in blocks. A step is one forward pass, and its token budget caps
 # its tokens. The seats are the sequences that may run at once. A CUDA graph replays a step.
 
@@ -267,8 +267,8 @@ def load_weights(model: nn.Module, cfg: Config):
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
 # paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). pa.linear
 # applies a norm to a matmul's input and adds a residual to its output, at decode batches of up to
-# 16 rows on the GPU in the one kernel that reads the weight. So Attention and MLP take their
-# block's norm and residual.
+# 16 rows on the GPU in the one kernel that reads the weight (for the shapes where that is
+# fastest: pa.linear says which). So Attention and MLP take their block's norm and residual.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -387,7 +387,7 @@ class DecoderLayer(nn.Module):
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
 # every token. compute_logits() applies the final norm and the LM head, through pa.linear, only to
 # the rows that sample: each sequence's last token, once its prompt is computed. (Two chapters
-# sample more rows: a drafting row's d + 1, and a prompt's rows for its log-probs.)
+# run it on more rows: a drafting row samples d + 1, and a prompt's rows give its log-probs.)
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -558,9 +558,10 @@ class BlockAllocator:
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
-    Between steps a running sequence's counts satisfy num_computed_tokens == len(token_ids) - 1
-    once its prompt is computed: every token but the newest is in the cache, and the newest is
-    the input of its next step, a decode."""
+    In part one's synchronous step, between steps a running sequence's counts satisfy
+    num_computed_tokens == len(token_ids) - 1 once its prompt is computed: every token but the
+    newest is in the cache, and the newest is the input of its next step, a decode. (The
+    default, chapter async scheduling, adds its pending token: len(token_ids) + pending - 1.)"""
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
@@ -639,8 +640,9 @@ class Scheduler:
 
     def _runs_this_step(self, seq: Sequence, decodes_wait: bool) -> bool:
         """Whether a running sequence takes part in the step being built: not if preempted earlier
-        in this step's loop, nor a decode held back at a burst (decodes_wait: chapter: the burst
-        rule; False when it does not apply), nor one that ends when its pending token is read."""
+        in this step's loop, nor one past its prompt (a decode, or a preempted one recomputing
+        its output) held back at a burst (decodes_wait: chapter: the burst rule; False when it
+        does not apply), nor one that ends when its pending token is read."""
         preempted = seq.status != "running"
         held_back = decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens
         # ends_when_read: chapter: async scheduling (False when off)
@@ -791,9 +793,10 @@ class ModelRunner:
         would too)."""
         flat, samples, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
-        # chapter: CUDA graphs (key None: no graph replays the step, and nothing is padded)
-        key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)
-        N, S, width = pad_for_graph(self, flat, key, num_tokens, len(batch.seqs))   # kernels' sizes
+        N, S, width = num_tokens, len(batch.seqs), flat["block_tables"].shape[1]  # kernels' sizes
+        key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: runs eagerly
+        if key is not None:                              # chapter: CUDA graphs (the padding)
+            N, S, width = pad_for_graph(self, flat, key, num_tokens, len(batch.seqs))
         if pending:         # chapter: async scheduling (no row has a pending token when off)
             put_pending_tokens(self, batch, input_ids, pending, prev)
         else:
@@ -968,7 +971,9 @@ class EngineCore:
     def step(self) -> list:
         """One step, whole: schedule and launch it, sample it on the device, then read its tokens
         back (_commit). Returns an EngineCoreOutput per token read back and kept. A sampled token
-        is pending (num_pending_tokens) from its launch to its read-back."""
+        is pending (num_pending_tokens) from its launch to its read-back. This is the step with
+        --no-async-scheduling. By default step_one_ahead runs instead, and it reorders these same
+        calls: the chapter async scheduling's table follows one sequence through them."""
         self.committed = []            # _commit adds each output as it makes it (fail_running)
         if self.cfg.async_scheduling:  # chapter: async scheduling (the default: launches the
             step_one_ahead(self)       # next step before this one is read back)
@@ -1443,9 +1448,7 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        # Lazy: the engine core sees nothing until the stream or body reads the first state. A
-        # stream reads it in this handler's turn of the event loop (_EventStream runs no task of
-        # its own for it); a chat body one turn later (is_disconnected, for the opening chunk)
+        # Lazy: the engine core sees nothing until the stream or the body reads the first state
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
@@ -1810,8 +1813,7 @@ def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: li
 def pad_for_graph(runner: ModelRunner, flat: dict, key: Optional[tuple], num_tokens: int,
                   num_seqs: int) -> tuple:
     """Pad flat to graph key's N rows and S sequences; return them and the block-table width the
-    kernels see (nothing padded without a graph). The contract: each padded value, and why it is
-    harmless:
+    kernels see. The contract: each padded value, and why it is harmless:
       slot_mapping  -1 for rows past the real tokens: rope_store writes no slot
       context_lens  0 for sequences past the real ones: attention reads no key
       cu_seqlens_q  the real token count for them: they own no query rows
@@ -1819,8 +1821,6 @@ def pad_for_graph(runner: ModelRunner, flat: dict, key: Optional[tuple], num_tok
                     and never read (the kernels stop at its context_len)
       input_ids, positions   stale in padding rows: computed, never stored, and
                     their outputs are dropped (hidden[:num_tokens] in launch)"""
-    if key is None:
-        return num_tokens, num_seqs, flat["block_tables"].shape[1]
     N = key[1]
     S = N if key[0] else min(N, runner.cfg.max_num_seqs)   # decode: one sequence per row
     flat["slot_mapping"] += [-1] * (N - num_tokens)
