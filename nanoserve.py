@@ -26,9 +26,9 @@ LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Seq
 scheduled step by step into a flat batch, runs through Model.forward and is sampled. Its token
 ids go back to the FrontEnd, which turns them into text. Then come the chapters, one per feature
 a request may or may not meet, or that part one can be read without (async scheduling, CUDA
-graphs, the engine core process, prefix caching, the burst rule, speculative decoding,
-structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights,
-the rest of the OpenAI API, the Responses API, faults). Each enters part one through seams,
+graphs, the engine core process, stop strings, prefix caching, the burst rule, speculative
+decoding, structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8
+weights, the rest of the OpenAI API, the Responses API, faults). Each enters part one through seams,
 lines labelled "# chapter: NAME" that do nothing while it is off.
 """
 
@@ -104,8 +104,9 @@ class Config:
     quantization: Optional[str] = _flag(None, "fp8: the layers' weights in fp8 e4m3, a scale per "
                                               "output channel, quantized at load")
     num_speculative_tokens: int = _flag(0, "drafts checked per decode step (0: off; at most 15)")
-    async_scheduling: bool = _flag(True, "launch each step before the last one's tokens are read "
-                                         "back (chapter: async scheduling)", "--no-async-scheduling")
+    async_scheduling: bool = _flag(True, "launch each step before the last one's tokens are "
+                                         "read back (chapter: async scheduling)",
+                                   "--no-async-scheduling")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
     port: int = _flag(8000, "port the server listens on")
@@ -314,7 +315,7 @@ class AttentionMetadata:
     block_tables holds one a row. slot_mapping gives each new token the pool slot its K/V is
     written to, block_id * block_size + offset. A slot of -1 marks a padding token."""
     slot_mapping: torch.Tensor        # (N_tok,) int64
-    block_tables: torch.Tensor        # (B, max_blocks) int32
+    block_tables: torch.Tensor        # (B, max_blocks) int32, max_blocks: the widest table
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
     cu_seqlens_q: torch.Tensor        # (B+1,) int32, start of each sequence in N_tok
     is_decode: bool                   # every sequence brings exactly one new token
@@ -426,9 +427,10 @@ def build_model(cfg: Config) -> Model:
 # step's contract is a torch function in paged_attention.py's first section). Each row carries
 # its own settings, so one request's choices never change another's. A seeded row draws its noise
 # from its own generator, seeded anew for each token by the request's seed and the token's
-# position (ModelRunner.sampling_batch hashes the two). So a draw depends on nothing else: not the batch, nor which steps ran before. No
-# step waits for the host (no sync). Two chapters edit the logits before the draw (logit_bias
-# and penalties; grammar masks), and one reads them after (log-probs).
+# position (ModelRunner.sampling_batch hashes the two). So a draw depends on nothing else: not
+# the batch, nor which steps ran before. No step waits for the host (no sync). Two chapters edit
+# the logits before the draw (logit_bias and penalties; grammar masks), and one reads them after
+# (log-probs).
 
 @dataclass
 class SamplingParams:
@@ -558,9 +560,10 @@ class BlockAllocator:
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
-    In part one's synchronous step, between steps a running sequence's counts satisfy
-    num_computed_tokens == len(token_ids) - 1 once its prompt is computed: every token but the
-    newest is in the cache, and the newest is the input of its next step, a decode. (The
+    In part one's synchronous step, between steps a decoding sequence's counts satisfy
+    num_computed_tokens == len(token_ids) - 1: every token but the newest is in the cache, and
+    the newest is the input of its next step. (A prefill, or a recompute after a preemption,
+    has fewer computed until its last chunk. The
     default, chapter async scheduling, adds its pending token: len(token_ids) + pending - 1.)"""
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
@@ -570,7 +573,7 @@ class Sequence:
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes, self.num_named_blocks = [], 0       # chapter: prefix caching
-        self.num_pending_tokens = 0      # sampled on the device, not yet read back (EngineCore.step)
+        self.num_pending_tokens = 0      # sampled on the device, not read back (EngineCore.step)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
         self.matcher = None                                    # chapter: structured output
@@ -604,7 +607,7 @@ class Scheduler:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
         self.num_steps += 1
-        # chapter: the burst rule (True: decodes sit this step out for prompts; False when off)
+        # chapter: the burst rule (True: decodes sit this step out for prompts; else False)
         decodes_wait = decodes_wait_at_burst(self, budget)
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
@@ -622,8 +625,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and self.num_preemptions == num_preemptions_before:
             seq = self.waiting[0]
-            # chapter: prefix caching (its block_table starts with cached blocks, counted as
-            reuse_cached_prefix(self, seq)     # computed; nothing when off)
+            # chapter: prefix caching (block_table := the cached blocks of its prefix, and
+            # num_computed_tokens := their tokens; [] and 0 when off)
+            reuse_cached_prefix(self, seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._num_blocks_needed(seq, n) > self.allocator.num_free_blocks:
                 self._free_blocks(seq)         # give back the shared prefix; retry later
@@ -720,7 +724,7 @@ class LaunchedStep:
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
     masks: Optional[Future] = None    # chapter: structured output (None: no grammar row)
     host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, as host copies
-    copied: Optional[torch.cuda.Event] = None   # set once `host` is filled (None on CPU)
+    copied: Optional[torch.cuda.Event] = None   # done once `host` is filled (None on CPU)
 
 class ModelRunner:
     def __init__(self, cfg: Config):
@@ -780,8 +784,9 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
         """The step's inputs in the static buffers: the batch flattened (_flatten), then padded to
         the size of the graph that replays it, if one does (pad_for_graph). A worked step,
-        block_size 16, a budget of 41 tokens: B (71 tokens, blocks [2, 5, 8, 6, 1]) decodes position 70; A (a
-        100-token prompt, 16 cached, blocks [7, 3, 9, 4]) takes the 40 left (positions 16-55).
+        block_size 16, a budget of 41 tokens: B (71 tokens, blocks [2, 5, 8, 6, 1]) decodes
+        position 70; A (a 100-token prompt, 16 cached, blocks [7, 3, 9, 4]) takes the 40 left
+        (positions 16-55).
         _flatten:
             input_ids     B's token 70, then A's tokens 16..55
             positions     70, 16, 17, .., 55
@@ -790,7 +795,9 @@ class ModelRunner:
             cu_seqlens_q  [0, 1, 41]: B owns row 0, A rows 1-40
             block_tables  [[2, 5, 8, 6, 1], [7, 3, 9, 4, 0]]: as wide as the longest, 0-padded
         Only row 0 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 40
-        would too)."""
+        would too). On the GPU the step is then padded to a captured graph's size: these 41
+        tokens replay the 48-token graph, its 7 extra rows writing nothing (slot -1). The chapter
+        CUDA graphs gives the padding's contract."""
         flat, samples, pending = self._flatten(batch)
         input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
         N, S, width = num_tokens, len(batch.seqs), flat["block_tables"].shape[1]  # kernels' sizes
@@ -889,7 +896,8 @@ class ModelRunner:
         return LaunchedStep(batch, list(seqs), logits, inputs.sample_positions)
 
     def sample(self, step: LaunchedStep):
-        """Sample a step's rows and start their tokens' copy back, which _commit waits for."""
+        """Sample a step's rows and start their tokens' copy back, which _commit waits for. It is
+        two calls (finish_sample samples) only so that a grammar row can wait for its mask."""
         # chapter: structured output (None when no row has a grammar: sample now)
         step.masks = self.grammar_masks.start_fill(step.seqs, self.device)
         if step.masks is None:
@@ -1297,9 +1305,12 @@ class LLM:
 # yields a choice's RequestState each time it changes; closing it early aborts what still runs.
 # _respond hands those states to the endpoint's response shape (_Shape). The shape's chunks go out
 # as SSE events (_EventStream runs _Shape.stream, and turns a client that leaves into an abort),
-# or fold into one body (_Shape.body). On a first read, _EventStream and _fold can be taken by
-# their docstrings. What a client sees of a chat request with "stream": true, an SSE event a line
-# (id, created and model left out):
+# or fold into one body (_Shape.body). The calls, in order: completions or chat -> _respond ->
+# shape.chunks(client.generate(choices)) -> shape.stream (through _EventStream) or shape.body.
+# A client that leaves: _EventStream cancels the writing -> generate's `finally` -> _abort ->
+# the engine core's abort_request -> Scheduler.finish frees the blocks. On a first read,
+# _EventStream's task handling and _fold can be taken by their docstrings. What a client sees
+# of a chat request with "stream": true, an SSE event a line (id, created and model left out):
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
 #            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,

@@ -969,8 +969,9 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
 # RMSNorm and SiLU-and-mul for steps of many tokens
 # Where neither matmul below applies them on the fly (past 16 rows, and the
 # shapes that cuBLAS takes) these elementwise steps run on their own: one
-# program per token row, one read and one write, one launch. An eager step issues about two hundred launches, so
-# what each costs the host counts as much as what it costs the device.
+# program per token row, one read and one write, one launch. An eager step
+# issues about two hundred launches, so what each costs the host counts as
+# much as what it costs the device.
 
 
 @triton.jit
