@@ -267,8 +267,8 @@ def load_weights(model: nn.Module, cfg: Config):
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
 # paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). pa.linear
-# applies a norm to a matmul's input and adds a residual to its output, at decode batches of up to
-# 16 rows on the GPU in the one kernel that reads the weight (for the shapes where that is
+# applies a norm to a matmul's input and adds a residual to its output, for steps of up to 16
+# rows on the GPU in the one kernel that reads the weight (for the shapes where that is
 # fastest: pa.linear says which). So Attention and MLP take their block's norm and residual.
 
 class RMSNorm(nn.Module):
@@ -315,7 +315,7 @@ class AttentionMetadata:
     block_tables holds one a row. slot_mapping gives each new token the pool slot its K/V is
     written to, block_id * block_size + offset. A slot of -1 marks a padding token."""
     slot_mapping: torch.Tensor        # (N_tok,) int64
-    block_tables: torch.Tensor        # (B, max_blocks) int32, max_blocks: the widest table
+    block_tables: torch.Tensor        # (B, max_blocks) int32, max_blocks: the table's width
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step
     cu_seqlens_q: torch.Tensor        # (B+1,) int32, start of each sequence in N_tok
     is_decode: bool                   # every sequence brings exactly one new token
@@ -767,7 +767,7 @@ class ModelRunner:
         if cfg.num_blocks:
             num_blocks = cfg.num_blocks
         elif self.use_cuda:
-            # The KV pool gets what the activations' peak leaves of the allowed fraction.
+            # The KV pool gets what the profiled peak (weights and the largest step) leaves.
             peak = profile_peak_bytes(self)                   # chapter: CUDA graphs
             total = torch.cuda.get_device_properties(self.device).total_memory
             num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
@@ -1310,7 +1310,8 @@ class LLM:
 # A client that leaves: _EventStream cancels the writing -> generate's `finally` -> _abort ->
 # the engine core's abort_request -> Scheduler.finish frees the blocks. On a first read,
 # _EventStream's task handling and _fold can be taken by their docstrings. What a client sees
-# of a chat request with "stream": true, an SSE event a line (id, created and model left out):
+# of a chat request with "stream": true, an SSE event a line (id, created, model and
+# "logprobs": null left out):
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
 #            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
@@ -1866,8 +1867,9 @@ def capture_cuda_graphs(runner: ModelRunner):
 
 @torch.no_grad()
 def profile_peak_bytes(runner: ModelRunner) -> int:
-    """The activations' peak memory, measured by running the largest step once on a dummy batch
-    of max_num_batched_tokens tokens, plus room for the sampler's sort. The graphs' shared pool
+    """The peak of memory allocated (the weights, the buffers and the largest step's
+    activations), measured by running that step once on a dummy batch of
+    max_num_batched_tokens tokens, plus room for the sampler's sort. The graphs' shared pool
     later holds the same activations, no more."""
     cfg, n, L = runner.cfg, runner.cfg.max_num_batched_tokens, runner.cfg.max_model_len
     seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
