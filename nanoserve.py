@@ -28,8 +28,8 @@ ids go back to the FrontEnd, which turns them into text. Then come the chapters,
 a request may or may not meet, or that part one can be read without (async scheduling, CUDA
 graphs, the engine core process, stop strings, prefix caching, the burst rule, speculative
 decoding, structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8
-weights, the rest of the OpenAI API, the Responses API, faults). Each enters part one through seams,
-lines labelled "# chapter: NAME" that do nothing while it is off.
+weights, the rest of the OpenAI API, the Responses API, faults). Each enters part one through
+seams, lines labelled "# chapter: NAME" that do nothing while it is off.
 """
 
 from __future__ import annotations
@@ -562,9 +562,9 @@ class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
     In part one's synchronous step, between steps a decoding sequence's counts satisfy
     num_computed_tokens == len(token_ids) - 1: every token but the newest is in the cache, and
-    the newest is the input of its next step. (A prefill, or a recompute after a preemption,
-    has fewer computed until its last chunk. The
-    default, chapter async scheduling, adds its pending token: len(token_ids) + pending - 1.)"""
+    the newest is the input of its next step. A prefill, or a recompute after a preemption, has
+    fewer computed until its last chunk. (The default, chapter async scheduling, adds the pending
+    token: len(token_ids) + num_pending_tokens - 1.)"""
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
@@ -615,7 +615,7 @@ class Scheduler:
                 break
             if not self._runs_this_step(seq, decodes_wait):
                 continue
-            # (+ num_pending_tokens: chapter: async scheduling; 0 between steps when off)
+            # num_pending_tokens is 0 here unless async scheduling is on (its chapter)
             n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             if self._reserve_blocks(seq, n):
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
@@ -649,7 +649,7 @@ class Scheduler:
         does not apply), nor one that ends when its pending token is read."""
         preempted = seq.status != "running"
         held_back = decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens
-        # ends_when_read: chapter: async scheduling (False when off)
+        # ends_when_read is always False unless async scheduling is on (its chapter)
         return not (preempted or held_back or ends_when_read(seq, self.cfg.max_model_len))
 
     def _num_blocks_needed(self, seq: Sequence, n: int) -> int:
