@@ -1451,15 +1451,15 @@ class OpenAIServer:
 
     async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
                        params: list) -> Response:
-        try:
-            for ids in prompt_ids:            # (also the params' checks: the choices differ only
-                self.front.validate(ids, params[0])   # by seed, which any int is)
+        choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
+        try:   # every choice, each its own checks: they also normalize (logit_bias's keys to ints)
+            for ids, p in choices:
+                self.front.validate(ids, p)
         except ValueError as e:
             name = str(e).split()[0]  # validate's messages start with their field, if any
             raise APIError(400, str(e), param=name if name in f else None)
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
-        choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
         # Lazy: the engine core sees nothing until the stream or the body reads the first state
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):

@@ -2364,6 +2364,28 @@ def test_n_seed_logprobs_echo(client):
     assert len(content) == 8 and all(e.top_logprobs == [] and e.logprob <= 0 for e in content)
 
 
+def test_every_choice_of_n_gets_its_logit_bias(server, client, engine):
+    """n > 1 with logit_bias: each choice's parameters are checked (and its bias's keys made
+    ints) on their own, so both choices are biased, and a stream in flight from another client
+    goes on untouched. Before, only the first choice was checked: the step raised TypeError."""
+    [token] = engine.front.encode(" sea", add_special_tokens=False)
+    in_flight = client.completions.create(prompt="Once upon a time", stream=True,
+                                          **{**GREEDY_REQUEST, "max_tokens": 24})
+    first = next(in_flight)
+    for route, kw in [("completions", dict(prompt="Hello")),
+                      ("chat.completions", dict(messages=[{"role": "user", "content": "Hi"}]))]:
+        create = client.completions.create if route == "completions" else \
+            client.chat.completions.create
+        r = create(model=MODEL, n=2, temperature=1.0, seed=3, max_tokens=3,
+                   logit_bias={str(token): 100}, **kw)
+        texts = [c.text if route == "completions" else c.message.content for c in r.choices]
+        print(route, texts)
+        assert texts == [" sea sea sea"] * 2
+    rest = list(in_flight)
+    assert first.choices[0].finish_reason is None and rest[-1].choices[0].finish_reason == "length"
+    wait_idle(server)
+
+
 # -- concurrency and aborts --
 
 def test_concurrent_streams_equal_alone(server, client):
