@@ -1135,6 +1135,8 @@ def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
         raise ValueError(f"max_tokens must be an integer >= {least}, got {p.max_tokens!r}")
     if not 0 <= p.temperature < math.inf:
         raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
+    if p.temperature < 1e-5:   # greedy, as vLLM takes it: logits / 1e-40 (a denormal) overflow
+        p.temperature = 0.0    # fp32 to inf, and the softmax of inf is NaN
     if not 0 < p.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
     if p.top_k == 0 or p.top_k < -1:

@@ -1229,6 +1229,18 @@ def test_sampling_params_errors_name_the_field():
     assert not ns.SamplingParams(logit_bias={"5": 1}).needs_output_history
 
 
+def test_tiny_temperatures_decode_greedily(smol_llm):
+    """A temperature below 1e-5 is greedy: 1e-40, a denormal, overflowed logits / t to inf, and
+    the softmax's NaN drew no token of the text (empty output), where 1e-20 decoded greedily."""
+    greedy = smol_llm.generate("The capital of France is", ns.SamplingParams(
+        temperature=0, max_tokens=8))[0].token_ids
+    for t in (1e-40, 1e-20, 1e-6):
+        out = smol_llm.generate("The capital of France is", ns.SamplingParams(
+            temperature=t, max_tokens=8, ignore_eos=True))[0]
+        print(t, out.token_ids)
+        assert out.token_ids == greedy
+
+
 def test_a_bad_seed_is_refused_before_anything_is_queued(smol_llm):
     """A seed that torch.Generator.manual_seed does not take (out of its range, or not an int)
     is checked with the other sampling parameters: generate refuses it, naming the range, before
