@@ -2357,6 +2357,7 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
 # Seams: Sequence.matcher, SamplingParams.grammar, the sampler (mask_logits), ModelRunner's
 # GrammarMasks, sample and finish_sample, put_pending_tokens (finish_sample of the step before),
 # EngineCore.add_request (start_matcher), _commit (follow), _finish_reason (grammar_done),
+# fail_running (rewind),
 # ChatTemplate.render (tools as text), FrontEnd (read_tool_calls, grammar), _Shape.hold, and the
 # handlers (request_grammar, chat_grammar, tool_call_shape).
 
@@ -2636,6 +2637,7 @@ class GrammarMasks:
         self.built = functools.lru_cache(maxsize=64 * self.num_threads)(   # the 64 latest grammars
             lambda grammar, family: llguidance.LLMatcher(self.tokenizer(), grammar))
         self.num_matchers = 0
+        self.followed = []    # (seq, its length with the token) of the rows followed last (follow)
         self.bitmask = functools.cache(lambda: torch.empty(   # (max_rows, cdiv(V, 32))
             max_rows, -(-vocab_size // 32), dtype=torch.int32, pin_memory=pin))
         self.thread = ThreadPoolExecutor(1)   # waits on the pool for fill_async
@@ -2674,9 +2676,22 @@ class GrammarMasks:
 
     def follow(self, seqs, tokens):
         """For EngineCore._commit: each unfinished grammar row's matcher takes its read-back token,
-        so that the grammar follows the output."""
-        self.consume([(seq.matcher, token) for seq, token in zip(seqs, tokens)
-                      if seq.matcher is not None and not seq.is_finished])
+        so that the grammar follows the output. It runs before _commit's row loop appends the
+        tokens, since _finish_reason asks the matcher whether the token ended the grammar. So
+        `followed` keeps each row's length once its token is appended, for rewind."""
+        rows = [(seq, token) for seq, token in zip(seqs, tokens)
+                if seq.matcher is not None and not seq.is_finished]
+        self.followed = [(seq, seq.num_tokens + 1) for seq, _ in rows]
+        self.consume([(seq.matcher, token) for seq, token in rows])
+
+    def rewind(self):
+        """After a fault in _commit's row loop (fail_running): a row that the fault kept from its
+        token, and that lives on (a waiting one, preempted by the step launched after), takes its
+        matcher back by that token. Else it would resume one token ahead of its text."""
+        for seq, num_tokens in self.followed:
+            if not seq.is_finished and seq.num_tokens < num_tokens:
+                seq.matcher.rollback(1)
+        self.followed = []
 
     def consume(self, pairs):
         """Each (matcher, sampled token) pair's matcher takes its token, in parallel (a rejected
@@ -3604,9 +3619,11 @@ def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) 
     blocks are freed. Waiting ones stay queued (unless `waiting`), none with a pending token,
     since the launched step is dropped unread. The outputs the step had made come first in the
     list, those of _commit's rows before a fault there too: a request they finish runs no more,
-    so they are its last. (A step that returned has handed its outputs out already.)"""
+    so they are its last. (A step that returned has handed its outputs out already.) A waiting
+    grammar row that the fault kept from its token takes its matcher back (GrammarMasks.rewind)."""
     core.launched = None
     stop_out_of_step(core.runner.workers, error)       # chapter: tensor parallelism
+    core.runner.grammar_masks.rewind()                  # chapter: structured output
     failed = [s for s in core.seqs.values() if waiting or s.status == "running"]
     for seq in failed:
         core.abort_request(seq.request_id)

@@ -537,6 +537,58 @@ def test_faults_inside_commit_lose_no_request(tiny, monkeypatch, where):
     check_pool_is_free(engine)
 
 
+def test_a_fault_in_commit_keeps_a_preempted_grammar_in_step(monkeypatch):
+    """A fault in _commit's row loop while a grammar request that the step after preempted
+    waits (async scheduling). GrammarMasks.follow moves every row's matcher before the loop, so
+    the request, which survives (fail_running ends the running ones), resumed one token ahead of
+    its text and ended "stop" on broken JSON. Now fail_running moves the matcher back: its
+    output is the fault-free run's."""
+    llm = ns.LLM(SMOL_DIR, device="cpu", num_blocks=14, block_size=4)
+    engine, masks = llm.engine, llm.engine.runner.grammar_masks
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+              "age": {"type": "integer"}}, "required": ["name", "age"]}
+    plain = ns.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    shaped = ns.SamplingParams(temperature=0, max_tokens=40, grammar=llm.front.grammar(
+        json.dumps(schema)))
+    prompts = ["Once upon a time", "The capital of France is", "Hello, my name is",
+               "A person as JSON:"]
+
+    def run():
+        states = [llm.add(llm.front.encode(p), shaped if i == 3 else plain)
+                  for i, p in enumerate(prompts)]
+        num_faults = 0
+        while engine.has_unfinished():
+            try:
+                outputs = engine.step()
+            except RuntimeError as e:
+                outputs, num_faults = ns.fail_running(engine, e), num_faults + 1
+            llm.front.process(outputs)
+        check_pool_is_free(engine)
+        return states[3], num_faults
+    ref, _ = run()
+    followed, append = [], engine._append_token
+
+    def follow(seqs, tokens):               # the rows whose matchers moved in this _commit
+        followed[:] = [s for s in seqs if s.matcher is not None and not s.is_finished]
+        return ns.GrammarMasks.follow(masks, seqs, tokens)
+
+    def faulty(seq, *row):                  # once: a row before a waiting grammar row
+        if not faulty.done and seq.matcher is None and any(
+                s.status == "waiting" for s in followed):
+            faulty.done = True
+            raise RuntimeError("injected failure")
+        return append(seq, *row)
+    faulty.done = False
+    monkeypatch.setattr(masks, "follow", follow)
+    monkeypatch.setattr(engine, "_append_token", faulty)
+    out, num_faults = run()
+    print(f"fault-free {ref.text!r} ({ref.finish_reason}); with the fault {out.text!r} "
+          f"({out.finish_reason})")
+    assert num_faults == 1 and ref.finish_reason == "stop"
+    json.loads(ref.text)
+    assert (out.text, out.finish_reason) == (ref.text, ref.finish_reason)
+
+
 @pytest.mark.parametrize("failure", [RuntimeError("injected failure"), KeyboardInterrupt()])
 def test_failed_generate_ends_its_waiting_requests(smol_llm, monkeypatch, failure):
     """A generate whose step raises, or that Ctrl-C stops, ends every one of its requests,
