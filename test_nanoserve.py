@@ -1708,20 +1708,40 @@ def test_skinny_matmul(device, dtype, norm, silu_mul, residual, M, N, K, split_k
     check_fused_matmul(pa.skinny_matmul, device, dtype, norm, silu_mul, residual, M, N, K, split_k)
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(NO_CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("M,split_k", [(2, 1), (5, 3), (16, 1)])
+def test_skinny_matmul_fp16_norm_does_not_overflow(device, M, split_k, monkeypatch):
+    """fp16 rows whose norm_w * x is past fp16's largest value (65,504) while norm_w * x / rms
+    is not: the skinny matmul with RMSNorm fused must stay finite and match gemv_ref in fp32."""
+    monkeypatch.setattr(pa, "_skinny_config", lambda N, K, fp8, M: (16, 32, split_k, 4, 2))
+    gen = torch.Generator().manual_seed(M)
+    N, K = 48, 96
+    x = (torch.randn(M, K, generator=gen) * 1000).to(device, torch.float16)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device, torch.float16)
+    norm_w = (torch.rand(K, generator=gen) * 100 + 100).to(device, torch.float16)
+    assert (norm_w.float() * x.float()).abs().max() > 65504
+    ref = pa.gemv_ref(x.float(), w.float(), norm_w.float(), 1e-5)
+    compare(pa.skinny_matmul(x, w, norm_w, 1e-5), ref, torch.float16, f"skinny fp16 M={M}")
+
+
 @pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("M,N,K", [(2, 3072, 2048), (5, 2048, 2048), (16, 128256, 2048),
                                    (5, 6144, 4096), (16, 1024, 3072), (1, 6144, 4096),
                                    (1, 16384, 2048)])
-def test_skinny_matmul_cuda_shapes(M, N, K):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_matmul_cuda_shapes(M, N, K, dtype):
     """Llama-3.2-1B's qkv, o, LM head and gate_up, Llama-3.1-8B's qkv and Qwen3-0.6B's down
-    in bf16, with the tiles _skinny_config picks and RMSNorm fused in, against gemv_ref."""
+    in bf16 and fp16 (its norm's first pass takes 1 to 4 steps here), with the tiles
+    _skinny_config picks and RMSNorm fused in, against gemv_ref."""
     gen = torch.Generator().manual_seed(M)
-    x = torch.randn(M, K, generator=gen).to("cuda", torch.bfloat16)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to("cuda", torch.bfloat16)
-    norm_w = torch.rand(K, generator=gen).to("cuda", torch.bfloat16) + 0.5
+    x = torch.randn(M, K, generator=gen).to("cuda", dtype)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to("cuda", dtype)
+    norm_w = torch.rand(K, generator=gen).to("cuda", dtype) + 0.5
     assert pa._skinny_config(N, K, False, M) is not None
     ref = pa.gemv_ref(x.float(), w.float(), norm_w.float(), 1e-5)
-    compare(pa.skinny_matmul(x, w, norm_w, 1e-5), ref, torch.bfloat16, f"skinny {M}x{N}x{K}")
+    compare(pa.skinny_matmul(x, w, norm_w, 1e-5), ref, dtype, f"skinny {dtype} {M}x{N}x{K}")
 
 
 @DEVICE_DTYPES
