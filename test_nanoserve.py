@@ -3447,16 +3447,16 @@ def test_forced_call_goes_back_through_mistrals_template(engine, client):
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 def special_call_token_model(tmp_path) -> str:
-    """A random Mistral (bench.py's mistral-tiny) whose tokenizer is the default model's with
-    <file_sep> (id 5, as in Mistral v0.3) renamed [TOOL_CALLS] and still special, as Mistral's
-    is, and whose chat template is MISTRAL_TEMPLATE."""
+    """A random Mistral (bench.py's mistral-tiny, with bench.py's Mistral chat template) whose
+    tokenizer is the default model's with <file_sep> (id 5, as in Mistral v0.3) renamed
+    [TOOL_CALLS] and still special, as Mistral's is."""
     import bench
     tok = tmp_path / "tokenizer"
     tok.mkdir()
     text = open(os.path.join(ensure_smol(), "tokenizer.json")).read()
     (tok / "tokenizer.json").write_text(text.replace('"<file_sep>"', '"[TOOL_CALLS]"'))
     (tok / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": MISTRAL_TEMPLATE, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
     (tok / "config.json").symlink_to(os.path.join(SMOL_DIR, "config.json"))
     return str(bench.build_random_model("mistral-tiny", tmp_path, "cpu", tokenizer=str(tok)))
 
@@ -3494,21 +3494,59 @@ def test_mistral_special_call_token_opens_a_call(tmp_path):
 def test_random_model_of_every_family_chats(tmp_path):
     """`bench.py model --random NAME --tokenizer weights/SmolLM2-135M-Instruct` builds a small
     random model of each family the README lists. It carries the default model's tokenizer and
-    chat template, so it answers a chat with no download."""
+    a chat template in its family's format, so it answers a chat with no download."""
     import bench
     ensure_smol()
     messages = [{"role": "user", "content": "Name a fruit."}]
-    for name, family in [("tiny", "llama"), ("qwen3-tiny", "qwen3"),
-                         ("qwen2.5-tiny", "qwen2"), ("mistral-tiny", "mistral")]:
+    for name, family, turn in [("tiny", "llama", "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+                               ("qwen3-tiny", "qwen3", "<|im_start|>assistant\n"),
+                               ("qwen2.5-tiny", "qwen2", "<|im_start|>assistant\n"),
+                               ("mistral-tiny", "mistral", "[INST] Name a fruit.[/INST]")]:
         path = bench.build_random_model(name, tmp_path, "cpu", tokenizer=SMOL_DIR)
         assert json.loads((path / "config.json").read_text())["model_type"] == family
         llm = ns.LLM(str(path), device="cpu", num_blocks=16)
         prompt = llm.front.chat_template.render(messages)
-        assert prompt.endswith("<|im_start|>assistant\n"), prompt
+        assert prompt.endswith(turn), prompt
         [out] = llm.generate(llm.front.encode(prompt, add_special_tokens=False),
                              ns.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         print(name, repr(out.text))
         assert len(out.token_ids) == 4 and out.text
+
+
+@pytest.mark.parametrize("name,fmt,tools_shown", [
+    ("tiny", "llama3", "<|start_header_id|>user<|end_header_id|>\n\nAnswer with a JSON object"),
+    ("qwen3-tiny", "hermes", "<tools>\n"), ("qwen2.5-tiny", "hermes", "<tools>\n"),
+    ("mistral-tiny", "mistral", "[AVAILABLE_TOOLS] [")], ids=["llama", "qwen3", "qwen2.5", "mistral"])
+def test_random_model_of_every_family_calls_its_own_way(tmp_path, name, fmt, tools_shown):
+    """bench.py's random model of each family, with the default model's tokenizer: its chat
+    template shows the tools the family's way, and nanoserve reads the family's own tool-call
+    format from it (--tool-call-parser auto). A call forced by tool_choice comes back parsed,
+    with an id in the family's form, and goes back through the template with its result."""
+    import bench
+    ensure_smol()
+    path = bench.build_random_model(name, tmp_path, "cpu", tokenizer=SMOL_DIR)
+    cfg = Config(model=str(path), device="cpu", num_threads=1)
+    engine = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(engine, cfg))
+    messages = [{"role": "user", "content": "What time is it in Paris?"}]
+    kw = dict(model=path.name, tools=[TIME], temperature=0, max_tokens=60,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert engine.front.tool_call_format == fmt
+        assert tools_shown in engine.front.chat_template.render(messages, [TIME])
+        r = client.chat.completions.create(messages=messages, **kw).choices[0]
+        turns = [*messages, r.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": r.message.tool_calls[0].id, "content": "9:00"}]
+        answer = client.chat.completions.create(**{**kw, "messages": turns, "tool_choice": "none",
+                                                   "max_tokens": 4})
+    finally:
+        srv.stop()
+        engine.shutdown()
+    print(name, r.message.tool_calls)
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    check_weather_call(r.message.tool_calls[0], "get_time", fmt)
+    assert answer.choices[0].finish_reason in ("stop", "length")
 
 BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
     ({"response_format": {"type": "json_schema", "json_schema": {
