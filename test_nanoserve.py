@@ -1024,8 +1024,21 @@ def test_generate_on_first_use_prints_the_answer_alone_on_stdout(smol_llm, tmp_p
     out, err = capfd.readouterr()
     print(err)
     assert out == want.text + "\n" and "[4/4] wrote" in err
-    assert re.fullmatch(r"8 tokens in [0-9.]+ s, [0-9.]+ tok/s, \d+ of \d+ drafts accepted "
-                        r"\(\d+%\)", err.splitlines()[-1]), err.splitlines()[-1]
+    assert re.fullmatch(r"8 tokens in [0-9.]+ s \(first token after [0-9.]+ s\), decode [0-9.]+ "
+                        r"tok/s, \d+ of \d+ drafts accepted \(\d+%\)", err.splitlines()[-1]), \
+        err.splitlines()[-1]
+
+
+def test_speed_line_counts_the_decode_alone():
+    """generate's speed: the first token's wait (the prefill, and a first run's warm-up) is told
+    apart, and decode tok/s counts the 7 tokens after it over the 0.28 s after it."""
+    llm = types.SimpleNamespace(front=types.SimpleNamespace(
+        cfg=types.SimpleNamespace(num_speculative_tokens=0)))
+    state = types.SimpleNamespace(token_ids=[1] * 8, arrival_time=10.0, first_token_time=10.52,
+                                  finish_time=10.80)
+    assert ns.speed_line(llm, state) == "8 tokens in 0.80 s (first token after 0.52 s), decode 25.0 tok/s"
+    state.token_ids, state.finish_time = [1], 10.52
+    assert ns.speed_line(llm, state) == "1 tokens in 0.52 s (first token after 0.52 s)"
 
 # ---------------------------------------------------------------------------
 # Sampling
