@@ -24,8 +24,9 @@ the same inputs.
                 prepare, launch, sample, commit, the front end) at each batch
                 size, beside the device's for the step's CUDA graph alone
     model       no benchmark: builds a random model's folder and prints its
-                path, to serve (with --tokenizer, a real tokenizer and chat
-                template: every family's chat and tool calls, offline)
+                path, to serve (with --tokenizer, a real tokenizer and a chat
+                template in the family's format: every family's chat and tool
+                calls, offline)
     spec        speculative decoding (prompt lookup): on a CPU, one sequence of
                 the real model on four tasks (copy, rename in code, answer
                 from a document, open-ended), nanoserve with and without
@@ -318,6 +319,55 @@ RANDOM_MODELS |= {
                                  tie_word_embeddings=False),
 }
 
+# A chat template in each family's own format, by model_type, for a random model that borrows a
+# tokenizer (--tokenizer): the borrowed one's template would give every family its tool calls.
+# Each renders the tools, earlier calls (name first, as models are trained) and their results as
+# the family's checkpoints do, in fewer words. nanoserve reads the family's format from it
+# (tool_call_format). A turn ends with the tokenizer's EOS: in the family's own tokenizer, that
+# is its end of turn.
+LLAMA3_TEMPLATE = (   # Llama 3.1 and 3.2: tools in the first user turn, a call as bare JSON
+    "{% set ns = namespace(told=false) %}{% for m in messages %}<|start_header_id|>"
+    "{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>\n\n"
+    "{% if tools and m.role == 'user' and not ns.told %}{% set ns.told = true %}"
+    "Answer with a JSON object {\"name\": function name, \"parameters\": its arguments}, "
+    "or in text. The functions:\n\n{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}{% endif %}"
+    "{% for c in m.tool_calls or [] %}{{ '; ' if not loop.first }}{\"name\": "
+    "{{ c.function.name | tojson }}, \"parameters\": {{ c.function.arguments | tojson }}}"
+    "{% endfor %}"
+    "{{ m.content }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+HERMES_TEMPLATE = (   # Qwen2.5 and Qwen3: tools in the system turn, a call in <tool_call> tags
+    "{% set tools_turn = tools and messages[0].role == 'system' %}{% if tools %}"
+    "<|im_start|>system\n{{ messages[0].content + '\n\n' if tools_turn }}# Tools\n\n"
+    "You may call functions. Their signatures:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}</tools>\nTo call one, answer <tool_call>\n{\"name\": function name, "
+    "\"arguments\": its arguments}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages[1 if tools_turn else 0:] %}{% if m.role == 'tool' %}<|im_start|>user\n"
+    "<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n{% else %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+    "{{ '\n' if m.content or not loop.first }}<tool_call>\n{\"name\": "
+    "{{ c.function.name | tojson }}, \"arguments\": {{ c.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MISTRAL_TEMPLATE = (   # Mistral v0.3: tools and the system turn before the last [INST]
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% set system = messages[0].content + '\n\n' if messages[0].role == 'system' else '' %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% if loop.index0 == ns.last %}"
+    "{% if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST] {{ system }}{% else %}[INST] {% endif %}{{ m.content }}[/INST]"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS] "
+    "{{ {'content': m.content, 'call_id': m.tool_call_id} | tojson }}[/TOOL_RESULTS]"
+    "{% elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}"
+    "{% if not (c.id is string and c.id | length == 9 and c.id.isalnum()) %}"
+    "{{ raise_exception('a tool call id must be 9 letters or digits') }}{% endif %}"
+    "{\"name\": {{ c.function.name | tojson }}, \"arguments\": "
+    "{{ c.function.arguments | tojson }}, \"id\": {{ c.id | tojson }}}"
+    "{{ ', ' if not loop.last }}{% endfor %}]{{ eos_token }}"
+    "{% elif m.role == 'assistant' %} {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
+CHAT_TEMPLATES = {"llama": LLAMA3_TEMPLATE, "qwen2": HERMES_TEMPLATE, "qwen3": HERMES_TEMPLATE,
+                  "mistral": MISTRAL_TEMPLATE}
+
 
 def write_tokenizer(path, vocab_size, bos_id, eos_id, max_len):
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -331,8 +381,9 @@ def write_tokenizer(path, vocab_size, bos_id, eos_id, max_len):
 
 def build_random_model(name, out_dir, device, tokenizer=None):
     """Build, save and return the folder of a random-weight model; reused when present. With a
-    tokenizer folder, the model takes its tokenizer, its chat template (tokenizer_config.json)
-    and its vocabulary's size, BOS and EOS."""
+    tokenizer folder, the model takes its tokenizer, its tokenizer_config.json with the family's
+    chat template (CHAT_TEMPLATES) in place of the folder's, and its vocabulary's size, BOS and
+    EOS."""
     path = Path(out_dir) / (f"random-{name}" + (f"-{Path(tokenizer).name}" if tokenizer else ""))
     if (path / "tokenizer.json").is_file() and any(path.glob("*.safetensors")):
         return path
@@ -350,8 +401,10 @@ def build_random_model(name, out_dir, device, tokenizer=None):
     shutil.rmtree(tmp, ignore_errors=True)
     model.to("cpu", torch.bfloat16).save_pretrained(tmp)
     if tokenizer:
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(Path(tokenizer) / f, tmp / f)
+        shutil.copy(Path(tokenizer) / "tokenizer.json", tmp / "tokenizer.json")
+        tokenizer_config = json.loads((Path(tokenizer) / "tokenizer_config.json").read_text())
+        tokenizer_config["chat_template"] = CHAT_TEMPLATES[model_type]
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     else:
         write_tokenizer(tmp, spec["vocab_size"], spec["bos_token_id"], spec["eos_token_id"],
                         spec["max_position_embeddings"])
@@ -1872,12 +1925,13 @@ def graph_us(runner, B, device, reps=50):
 # Mode: model
 # No benchmark: the random model's folder, built as every mode builds it, for
 # `nanoserve.py serve --model DIR`. With --tokenizer weights/SmolLM2-135M-Instruct
-# it has a real tokenizer and chat template, so chat and tool calls can be tried
-# in each family with no download (the answers are noise).
+# it has a real tokenizer and a chat template in the family's own format
+# (CHAT_TEMPLATES), so chat and each family's tool calls can be tried with no
+# download (the answers are noise).
 
 def model(args, model_dir, hw):
-    """Build a random model's folder (--random, and --tokenizer for a real tokenizer and chat
-    template) and print its path as the last line, for nanoserve.py serve --model."""
+    """Build a random model's folder (--random, and --tokenizer for a real tokenizer, with the
+    family's chat template) and print its path as the last line, for nanoserve.py serve --model."""
     print(model_dir.resolve())
 
 
@@ -1946,8 +2000,9 @@ SIZE_FLAGS = {
         ("prompt_len", int, 128, 16, "prompt tokens of each row"),
         ("decode_len", int, 128, 32, "new tokens of each row")],
     "model": [
-        ("tokenizer", str, None, None, "folder whose tokenizer, chat template and vocabulary the "
-                                       "model takes (default: a synthetic tokenizer, no chat)")],
+        ("tokenizer", str, None, None, "folder whose tokenizer and vocabulary the model takes, "
+                                       "with a chat template in the family's format (default: "
+                                       "a synthetic tokenizer, no chat)")],
     "spec": [
         ("num_speculative_tokens", int, 4, 4, "drafts per step (k)"),
         ("output_len", int, 128, 128, "most new tokens of a request"),

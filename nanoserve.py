@@ -3360,10 +3360,17 @@ def engine_stats(core: EngineCore) -> dict:
 
 def speed_line(llm: LLM, state: RequestState) -> str:
     """What `generate` prints on stderr after its answer: the tokens, the seconds from the
-    request's arrival to its end (the prompt's prefill too), tok/s, and with drafts on
-    (num_speculative_tokens > 0) the share of the drafts accepted."""
-    n, seconds = len(state.token_ids), state.finish_time - state.arrival_time
-    line = f"{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tok/s"
+    request's arrival to its end, when the first token came, the decode speed, and with drafts
+    on (num_speculative_tokens > 0) the share of the drafts accepted. The first token waits for
+    the prompt's prefill, and in a fresh process for the warm-up too (the first launch of each
+    kernel). So the decode speed leaves it out: the tokens after the first, over the time after
+    it."""
+    n, start, first = len(state.token_ids), state.arrival_time, state.first_token_time
+    line = f"{n} tokens in {state.finish_time - start:.2f} s"
+    if n:
+        line += f" (first token after {first - start:.2f} s)"
+    if n > 1:
+        line += f", decode {(n - 1) / (state.finish_time - first):.1f} tok/s"
     if llm.front.cfg.num_speculative_tokens > 0:
         stats = llm.stats()
         drafted = stats["spec_decode_num_draft_tokens_total"]

@@ -1076,8 +1076,21 @@ def test_generate_on_first_use_prints_the_answer_alone_on_stdout(smol_llm, tmp_p
     out, err = capfd.readouterr()
     print(err)
     assert out == want.text + "\n" and "[4/4] wrote" in err
-    assert re.fullmatch(r"8 tokens in [0-9.]+ s, [0-9.]+ tok/s, \d+ of \d+ drafts accepted "
-                        r"\(\d+%\)", err.splitlines()[-1]), err.splitlines()[-1]
+    assert re.fullmatch(r"8 tokens in [0-9.]+ s \(first token after [0-9.]+ s\), decode [0-9.]+ "
+                        r"tok/s, \d+ of \d+ drafts accepted \(\d+%\)", err.splitlines()[-1]), \
+        err.splitlines()[-1]
+
+
+def test_speed_line_counts_the_decode_alone():
+    """generate's speed: the first token's wait (the prefill, and a first run's warm-up) is told
+    apart, and decode tok/s counts the 7 tokens after it over the 0.28 s after it."""
+    llm = types.SimpleNamespace(front=types.SimpleNamespace(
+        cfg=types.SimpleNamespace(num_speculative_tokens=0)))
+    state = types.SimpleNamespace(token_ids=[1] * 8, arrival_time=10.0, first_token_time=10.52,
+                                  finish_time=10.80)
+    assert ns.speed_line(llm, state) == "8 tokens in 0.80 s (first token after 0.52 s), decode 25.0 tok/s"
+    state.token_ids, state.finish_time = [1], 10.52
+    assert ns.speed_line(llm, state) == "1 tokens in 0.52 s (first token after 0.52 s)"
 
 # ---------------------------------------------------------------------------
 # Sampling
@@ -1772,20 +1785,40 @@ def test_skinny_matmul(device, dtype, norm, silu_mul, residual, M, N, K, split_k
     check_fused_matmul(pa.skinny_matmul, device, dtype, norm, silu_mul, residual, M, N, K, split_k)
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(NO_CUDA, reason="needs CUDA"))])
+@pytest.mark.parametrize("M,split_k", [(2, 1), (5, 3), (16, 1)])
+def test_skinny_matmul_fp16_norm_does_not_overflow(device, M, split_k, monkeypatch):
+    """fp16 rows whose norm_w * x is past fp16's largest value (65,504) while norm_w * x / rms
+    is not: the skinny matmul with RMSNorm fused must stay finite and match gemv_ref in fp32."""
+    monkeypatch.setattr(pa, "_skinny_config", lambda N, K, fp8, M: (16, 32, split_k, 4, 2))
+    gen = torch.Generator().manual_seed(M)
+    N, K = 48, 96
+    x = (torch.randn(M, K, generator=gen) * 1000).to(device, torch.float16)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device, torch.float16)
+    norm_w = (torch.rand(K, generator=gen) * 100 + 100).to(device, torch.float16)
+    assert (norm_w.float() * x.float()).abs().max() > 65504
+    ref = pa.gemv_ref(x.float(), w.float(), norm_w.float(), 1e-5)
+    compare(pa.skinny_matmul(x, w, norm_w, 1e-5), ref, torch.float16, f"skinny fp16 M={M}")
+
+
 @pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("M,N,K", [(2, 3072, 2048), (5, 2048, 2048), (16, 128256, 2048),
                                    (5, 6144, 4096), (16, 1024, 3072), (1, 6144, 4096),
                                    (1, 16384, 2048)])
-def test_skinny_matmul_cuda_shapes(M, N, K):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_matmul_cuda_shapes(M, N, K, dtype):
     """Llama-3.2-1B's qkv, o, LM head and gate_up, Llama-3.1-8B's qkv and Qwen3-0.6B's down
-    in bf16, with the tiles _skinny_config picks and RMSNorm fused in, against gemv_ref."""
+    in bf16 and fp16 (its norm's first pass takes 1 to 4 steps here), with the tiles
+    _skinny_config picks and RMSNorm fused in, against gemv_ref."""
     gen = torch.Generator().manual_seed(M)
-    x = torch.randn(M, K, generator=gen).to("cuda", torch.bfloat16)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to("cuda", torch.bfloat16)
-    norm_w = torch.rand(K, generator=gen).to("cuda", torch.bfloat16) + 0.5
+    x = torch.randn(M, K, generator=gen).to("cuda", dtype)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to("cuda", dtype)
+    norm_w = torch.rand(K, generator=gen).to("cuda", dtype) + 0.5
     assert pa._skinny_config(N, K, False, M) is not None
     ref = pa.gemv_ref(x.float(), w.float(), norm_w.float(), 1e-5)
-    compare(pa.skinny_matmul(x, w, norm_w, 1e-5), ref, torch.bfloat16, f"skinny {M}x{N}x{K}")
+    compare(pa.skinny_matmul(x, w, norm_w, 1e-5), ref, dtype, f"skinny {dtype} {M}x{N}x{K}")
 
 
 @DEVICE_DTYPES
@@ -3513,16 +3546,16 @@ def test_forced_call_goes_back_through_mistrals_template(engine, client):
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 def special_call_token_model(tmp_path) -> str:
-    """A random Mistral (bench.py's mistral-tiny) whose tokenizer is the default model's with
-    <file_sep> (id 5, as in Mistral v0.3) renamed [TOOL_CALLS] and still special, as Mistral's
-    is, and whose chat template is MISTRAL_TEMPLATE."""
+    """A random Mistral (bench.py's mistral-tiny, with bench.py's Mistral chat template) whose
+    tokenizer is the default model's with <file_sep> (id 5, as in Mistral v0.3) renamed
+    [TOOL_CALLS] and still special, as Mistral's is."""
     import bench
     tok = tmp_path / "tokenizer"
     tok.mkdir()
     text = open(os.path.join(ensure_smol(), "tokenizer.json")).read()
     (tok / "tokenizer.json").write_text(text.replace('"<file_sep>"', '"[TOOL_CALLS]"'))
     (tok / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": MISTRAL_TEMPLATE, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
     (tok / "config.json").symlink_to(os.path.join(SMOL_DIR, "config.json"))
     return str(bench.build_random_model("mistral-tiny", tmp_path, "cpu", tokenizer=str(tok)))
 
@@ -3560,21 +3593,59 @@ def test_mistral_special_call_token_opens_a_call(tmp_path):
 def test_random_model_of_every_family_chats(tmp_path):
     """`bench.py model --random NAME --tokenizer weights/SmolLM2-135M-Instruct` builds a small
     random model of each family the README lists. It carries the default model's tokenizer and
-    chat template, so it answers a chat with no download."""
+    a chat template in its family's format, so it answers a chat with no download."""
     import bench
     ensure_smol()
     messages = [{"role": "user", "content": "Name a fruit."}]
-    for name, family in [("tiny", "llama"), ("qwen3-tiny", "qwen3"),
-                         ("qwen2.5-tiny", "qwen2"), ("mistral-tiny", "mistral")]:
+    for name, family, turn in [("tiny", "llama", "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+                               ("qwen3-tiny", "qwen3", "<|im_start|>assistant\n"),
+                               ("qwen2.5-tiny", "qwen2", "<|im_start|>assistant\n"),
+                               ("mistral-tiny", "mistral", "[INST] Name a fruit.[/INST]")]:
         path = bench.build_random_model(name, tmp_path, "cpu", tokenizer=SMOL_DIR)
         assert json.loads((path / "config.json").read_text())["model_type"] == family
         llm = ns.LLM(str(path), device="cpu", num_blocks=16)
         prompt = llm.front.chat_template.render(messages)
-        assert prompt.endswith("<|im_start|>assistant\n"), prompt
+        assert prompt.endswith(turn), prompt
         [out] = llm.generate(llm.front.encode(prompt, add_special_tokens=False),
                              ns.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         print(name, repr(out.text))
         assert len(out.token_ids) == 4 and out.text
+
+
+@pytest.mark.parametrize("name,fmt,tools_shown", [
+    ("tiny", "llama3", "<|start_header_id|>user<|end_header_id|>\n\nAnswer with a JSON object"),
+    ("qwen3-tiny", "hermes", "<tools>\n"), ("qwen2.5-tiny", "hermes", "<tools>\n"),
+    ("mistral-tiny", "mistral", "[AVAILABLE_TOOLS] [")], ids=["llama", "qwen3", "qwen2.5", "mistral"])
+def test_random_model_of_every_family_calls_its_own_way(tmp_path, name, fmt, tools_shown):
+    """bench.py's random model of each family, with the default model's tokenizer: its chat
+    template shows the tools the family's way, and nanoserve reads the family's own tool-call
+    format from it (--tool-call-parser auto). A call forced by tool_choice comes back parsed,
+    with an id in the family's form, and goes back through the template with its result."""
+    import bench
+    ensure_smol()
+    path = bench.build_random_model(name, tmp_path, "cpu", tokenizer=SMOL_DIR)
+    cfg = Config(model=str(path), device="cpu", num_threads=1)
+    engine = EngineCoreClient(cfg)
+    srv = ServerThread(build_app(engine, cfg))
+    messages = [{"role": "user", "content": "What time is it in Paris?"}]
+    kw = dict(model=path.name, tools=[TIME], temperature=0, max_tokens=60,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert engine.front.tool_call_format == fmt
+        assert tools_shown in engine.front.chat_template.render(messages, [TIME])
+        r = client.chat.completions.create(messages=messages, **kw).choices[0]
+        turns = [*messages, r.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": r.message.tool_calls[0].id, "content": "9:00"}]
+        answer = client.chat.completions.create(**{**kw, "messages": turns, "tool_choice": "none",
+                                                   "max_tokens": 4})
+    finally:
+        srv.stop()
+        engine.shutdown()
+    print(name, r.message.tool_calls)
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    check_weather_call(r.message.tool_calls[0], "get_time", fmt)
+    assert answer.choices[0].finish_reason in ("stop", "length")
 
 BAD_STRUCTURED = [   # (chat fields, the param the 400 names)
     ({"response_format": {"type": "json_schema", "json_schema": {
