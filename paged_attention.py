@@ -95,6 +95,16 @@ import triton.language as tl
 # brings one token).
 
 # -- the layers' (the reading path's stop 3: from here to linear) --
+# Four tensors of a step's AttentionMetadata say where each token lives, shown
+# here on one example: block_size 4, one sequence of 6 tokens whose last 2 are
+# new this step, its K/V in pool blocks 7 and 2.
+#   block_tables  (B, max_blocks) each sequence's blocks in order: [[7, 2]]
+#   slot_mapping  (N_tok,) the pool slot each new token's K/V is written to,
+#                 block * block_size + offset: tokens 4 and 5 go to slots
+#                 2 * 4 + 0 = 8 and 9 (-1: a padding token, written nowhere)
+#   context_lens  (B,) tokens in the cache once this step has run: [6]
+#   cu_seqlens_q  (B+1,) where each sequence's new tokens start among the
+#                 step's N_tok: [0, 2]
 
 def _gather_kv_ref(cache, block_table, L):
     """The first L tokens of one sequence, gathered through its block table."""
@@ -202,28 +212,27 @@ def norm(x, weight, eps):                                   # (N_tok, D)
 
 def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
            all_reduce=False):                             # (N_tok, K) -> (N_tok, N)
-    """residual + f(x) @ weight.T + bias (gemv_ref), f being the RMSNorm module
-    `norm`, SiLU-and-mul (x = [gate, up]) or nothing, residual and bias
-    optional: every matmul of a layer.
+    """The contract: residual + f(x) @ weight.T + bias, rounded as gemv_ref
+    rounds. f is the RMSNorm module `norm`, SiLU-and-mul (x = [gate, up]) or
+    nothing. residual (N_tok, N) and bias (N,) are optional. x, residual and the
+    output are in the model's dtype. Every matmul of a layer calls this.
 
-    Prologue/epilogue fusion: at decode on the GPU a matmul of a few rows is
-    one read of the weight, and a norm, activation or add of its own costs a
-    launch and a wait (~1.5 us) for almost no bytes. The skinny matmul (up to
-    SKINNY_MAX_ROWS rows, where _skinny_config has tiles for the shape and the
-    rows) and the GEMV (one row, GEMV_MAX_ROWS) apply f to x as it streams in
-    and add the residual on the way out, so a decoder layer takes 6 launches
-    where launching each norm, SiLU-and-mul and add on its own takes 11. Other
-    matmuls take cuBLAS and the elementwise kernels. (`norm` here is the
-    RMSNorm module passed in, whose forward calls the `norm` function above.)
-
-    Two of nanoserve's chapters enter here, one line each. `all_reduce` marks
-    a row-parallel matmul, summed over the tensor-parallel ranks
-    (row_parallel_linear). An fp8 weight carries its scales (quantize_fp8):
-    the GEMV and the skinny matmul read it as it is, a larger batch in bf16 on
-    the GPU takes linear_fp8, and any other widens the weight as it goes
-    (linear_fp8_ref: correct, and slower than the model's own dtype). A bias
-    (N,) is a residual that every row shares: it takes the residual's path
-    (the GEMV and the skinny matmul add it)."""
+    Which kernel runs, for the reader who wants it:
+    - up to SKINNY_MAX_ROWS rows on the GPU, where _skinny_config has tiles
+      for the shape: the skinny matmul, one read of the weight for every row;
+    - one row (GEMV_MAX_ROWS) otherwise: the GEMV;
+    - more rows: cuBLAS, after the elementwise kernels for f.
+    The first two apply f to x as it streams in and add the residual on the
+    way out: a norm, activation or add of its own would cost a launch and a
+    wait (~1.5 us) for almost no bytes. So a decoder layer takes 6 launches
+    where unfused it takes 11. A bias is a residual that every row shares, and
+    takes the residual's path.
+    An fp8 weight carries its scales (quantize_fp8). The GEMV and the skinny
+    matmul read it as it is, a larger bf16 batch on the GPU takes linear_fp8,
+    and anything else widens it (linear_fp8_ref: correct, and slower).
+    `all_reduce` marks a row-parallel matmul, summed over the tensor-parallel
+    ranks (row_parallel_linear). (`norm` here is the RMSNorm module passed in,
+    whose forward calls the `norm` function above.)"""
     if bias is not None:
         residual = bias.expand(x.shape[0], -1) if residual is None else residual + bias
     if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
