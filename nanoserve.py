@@ -1,11 +1,11 @@
 """nanoserve: a whole LLM inference engine in one file.
 
-This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engines do: a paged
-KV cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes
-chunked prefills and decodes in one step, batched sampling with grammars for structured output,
-each step's forward pass replayed as one CUDA graph, and an OpenAI-compatible HTTP server with
-SSE streaming. The kernels live next door in paged_attention.py. Its part one, the engine every
-request goes through, reads in an afternoon; the chapters after it take about as long again.
+This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engines do: a paged KV
+cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
+prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
+batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 317 minutes in the
+last timed read (README.md's reading path), the chapters about 270.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
 no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA, beam
@@ -20,16 +20,16 @@ Run it:
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
-It reads in two parts. Part one, config to CLI, is the engine every request goes through, top to
-bottom (README.md's reading path times each stop). A request enters at the HTTP handler or
-LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Sequence, is
-scheduled step by step into a flat batch, runs through Model.forward and is sampled. Its token
-ids go back to the FrontEnd, which turns them into text. Then come the chapters, one per feature
-a request may or may not meet, or that part one can be read without (async scheduling, CUDA
-graphs, the engine core process, stop strings, prefix caching, the burst rule, speculative
-decoding, structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8
-weights, the rest of the OpenAI API, the Responses API, faults). Each enters part one through
-seams, lines labelled "# chapter: NAME" that do nothing while it is off.
+It comes in two parts. Part one, config to CLI, is a whole engine with a plain synchronous step. A
+request enters at the HTTP handler or LLM.generate, and the FrontEnd tokenizes it. In the engine
+core it becomes a Sequence, is scheduled into a flat batch, runs through Model.forward and is
+sampled, and the FrontEnd turns its token ids into text. Then come the chapters, one per feature a
+request may or may not use. Four are on by default, so a default request runs through part one's
+classes but not its step: async scheduling, CUDA graphs (on a GPU), the engine core process (behind
+the server) and prefix caching. The others are stop strings, the burst rule, speculative decoding,
+structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights, the
+rest of the OpenAI API, the Responses API and faults. Each enters part one through seams, lines
+labelled "# chapter: NAME" that do nothing while it is off.
 """
 
 from __future__ import annotations
