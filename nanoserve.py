@@ -573,7 +573,7 @@ class Sequence:
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes, self.num_named_blocks = [], 0       # chapter: prefix caching
-        self.num_pending_tokens = 0      # sampled on the device, not read back (EngineCore.step)
+        self.num_pending_tokens = 0      # tokens from launch to read-back (EngineCore._launch)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
         self.matcher = None                                    # chapter: structured output
@@ -1807,16 +1807,18 @@ def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: li
 
 # ---------------------------------------------------------------------------
 # Chapter: CUDA graphs
-# On CUDA with the Triton attention, each step replays a CUDA graph (unless --enforce-eager, or
-# the step is larger than every captured size: then it runs eagerly). A graph holds every kernel
-# launch of one forward pass, recorded once (capture) and replayed in one launch, where 200
-# launches from Python would leave the GPU idle. A replay reads and writes the addresses it
-# recorded: the static buffers, and one memory pool that every graph's activations share. A
-# decode step's size is its batch size, a prompt step's its token count. A step pads its batch
-# to the next captured size (pa.cuda_graph_sizes, pa.graph_key); pad_for_graph says why the
-# padding is harmless. In prepare's worked step, 41 tokens with a prompt among them replay the
-# 48-token graph: pad_for_graph adds seven -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of
-# 41. The host's block_tables keep their width of 5; the kernels see the graph's full width.
+# Graphs are captured on CUDA with the Triton attention, unless --enforce-eager. Then every step
+# replays one. Elsewhere, and in the memory profile's step before the capture, steps run eagerly.
+# No step outgrows the captured sizes: the largest are max_num_seqs and max_num_batched_tokens,
+# which bound every step. A graph holds every kernel launch of one forward pass, recorded once
+# (capture) and replayed in one launch, where 200 launches from Python would leave the GPU idle.
+# A replay reads and writes the addresses it recorded: the static buffers, and one memory pool
+# that every graph's activations share. A decode step's size is its batch size, a prompt step's
+# its token count. A step pads its batch to the next captured size (pa.cuda_graph_sizes,
+# pa.graph_key); pad_for_graph says why the padding is harmless. In prepare's worked step, 41
+# tokens with a prompt among them replay the 48-token graph: pad_for_graph adds seven -1 slots,
+# 46 context_lens of 0 and 46 cu_seqlens_q of 41. The host's block_tables keep their width of 5;
+# the kernels see the graph's full width.
 # Also here, since it measures what the graphs' pool holds: the activations' peak memory, which
 # sizes the KV pool on the GPU (profile_peak_bytes).
 # Seams: ModelRunner.__init__ (capture_cuda_graphs), allocate_kv_cache (profile_peak_bytes),
