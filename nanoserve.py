@@ -1,11 +1,11 @@
 """nanoserve: a whole LLM inference engine in one file.
 
-This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engines do: a paged
-KV cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes
-chunked prefills and decodes in one step, batched sampling with grammars for structured output,
-each step's forward pass replayed as one CUDA graph, and an OpenAI-compatible HTTP server with
-SSE streaming. The kernels live next door in paged_attention.py. Its part one, the engine every
-request goes through, reads in an afternoon; the chapters after it take about as long again.
+This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engines do: a paged KV
+cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
+prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
+batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 317 minutes in the
+last timed read (README.md's reading path), the chapters about 270.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
 no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA, beam
@@ -20,16 +20,16 @@ Run it:
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
-It reads in two parts. Part one, config to CLI, is the engine every request goes through, top to
-bottom (README.md's reading path times each stop). A request enters at the HTTP handler or
-LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Sequence, is
-scheduled step by step into a flat batch, runs through Model.forward and is sampled. Its token
-ids go back to the FrontEnd, which turns them into text. Then come the chapters, one per feature
-a request may or may not meet, or that part one can be read without (async scheduling, CUDA
-graphs, the engine core process, stop strings, prefix caching, the burst rule, speculative
-decoding, structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8
-weights, the rest of the OpenAI API, the Responses API, faults). Each enters part one through
-seams, lines labelled "# chapter: NAME" that do nothing while it is off.
+It comes in two parts. Part one, config to CLI, is a whole engine with a plain synchronous step. A
+request enters at the HTTP handler or LLM.generate, and the FrontEnd tokenizes it. In the engine
+core it becomes a Sequence, is scheduled into a flat batch, runs through Model.forward and is
+sampled, and the FrontEnd turns its token ids into text. Then come the chapters, one per feature a
+request may or may not use. Four are on by default, so a default request runs through part one's
+classes but not its step: async scheduling, CUDA graphs (on a GPU), the engine core process (behind
+the server) and prefix caching. The others are stop strings, the burst rule, speculative decoding,
+structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights, the
+rest of the OpenAI API, the Responses API and faults. Each enters part one through seams, lines
+labelled "# chapter: NAME" that do nothing while it is off.
 """
 
 from __future__ import annotations
@@ -573,7 +573,7 @@ class Sequence:
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.block_hashes, self.num_named_blocks = [], 0       # chapter: prefix caching
-        self.num_pending_tokens = 0      # sampled on the device, not read back (EngineCore.step)
+        self.num_pending_tokens = 0      # tokens from launch to read-back (EngineCore._launch)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
         self.matcher = None                                    # chapter: structured output
@@ -1809,16 +1809,18 @@ def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: li
 
 # ---------------------------------------------------------------------------
 # Chapter: CUDA graphs
-# On CUDA with the Triton attention, each step replays a CUDA graph (unless --enforce-eager, or
-# the step is larger than every captured size: then it runs eagerly). A graph holds every kernel
-# launch of one forward pass, recorded once (capture) and replayed in one launch, where 200
-# launches from Python would leave the GPU idle. A replay reads and writes the addresses it
-# recorded: the static buffers, and one memory pool that every graph's activations share. A
-# decode step's size is its batch size, a prompt step's its token count. A step pads its batch
-# to the next captured size (pa.cuda_graph_sizes, pa.graph_key); pad_for_graph says why the
-# padding is harmless. In prepare's worked step, 41 tokens with a prompt among them replay the
-# 48-token graph: pad_for_graph adds seven -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of
-# 41. The host's block_tables keep their width of 5; the kernels see the graph's full width.
+# Graphs are captured on CUDA with the Triton attention, unless --enforce-eager. Then every step
+# replays one. Elsewhere, and in the memory profile's step before the capture, steps run eagerly.
+# No step outgrows the captured sizes: the largest are max_num_seqs and max_num_batched_tokens,
+# which bound every step. A graph holds every kernel launch of one forward pass, recorded once
+# (capture) and replayed in one launch, where 200 launches from Python would leave the GPU idle.
+# A replay reads and writes the addresses it recorded: the static buffers, and one memory pool
+# that every graph's activations share. A decode step's size is its batch size, a prompt step's
+# its token count. A step pads its batch to the next captured size (pa.cuda_graph_sizes,
+# pa.graph_key); pad_for_graph says why the padding is harmless. In prepare's worked step, 41
+# tokens with a prompt among them replay the 48-token graph: pad_for_graph adds seven -1 slots,
+# 46 context_lens of 0 and 46 cu_seqlens_q of 41. The host's block_tables keep their width of 5;
+# the kernels see the graph's full width.
 # Also here, since it measures what the graphs' pool holds: the activations' peak memory, which
 # sizes the KV pool on the GPU (profile_peak_bytes).
 # Seams: ModelRunner.__init__ (capture_cuda_graphs), allocate_kv_cache (profile_peak_bytes),

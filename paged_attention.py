@@ -302,8 +302,9 @@ def apply_logit_edits(logits, edits):                        # (B, V) fp32
 
 def logit_edit_entries(rows, device):
     """apply_logit_edits' entries, counted on the host with numpy (a Python loop over a long
-    prompt's tokens would cost milliseconds per step): for each (row, token_ids,
-    num_prompt_tokens, params), one entry per distinct token that has a bias or a penalty."""
+    prompt's tokens would cost milliseconds per step). For each (row, token_ids, num_prompt_tokens,
+    params), an entry per distinct token of logit_bias, of the output, and of the prompt with a
+    repetition penalty. So a bias-only row also gets a no-op entry per distinct output token."""
     entries = []                                               # (5, n) per edited row
     for row, token_ids, num_prompt_tokens, p in rows:
         # the tokens the repetition penalty looks at (prompt too), or just the output
@@ -397,7 +398,8 @@ def cuda_graph_sizes(max_num_seqs, max_num_batched_tokens):
 
 def graph_key(graph_sizes, is_decode, num_tokens):
     """Which captured graph replays a step (cuda_graph_sizes' next size up): (is_decode,
-    size), or None (no graph that large, or none captured: the step runs eagerly)."""
+    size), or None where none was captured (the step runs eagerly). The largest sizes are the
+    step's bounds, so a step never outgrows them."""
     sizes = graph_sizes[is_decode]
     i = bisect.bisect_left(sizes, num_tokens)
     return (is_decode, sizes[i]) if i < len(sizes) else None

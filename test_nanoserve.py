@@ -3294,7 +3294,9 @@ def test_responses_refused_fields(server, client):
 def test_openai_agents_sdk_on_its_defaults(server, nudged):
     """The OpenAI Agents SDK with its default model class (the Responses API) and a function
     tool, pointed at the server and naming the served model: the agent calls the tool, sends
-    back its output and answers, streamed and not. Its own default model is a 404."""
+    back its output and answers, streamed and not. As in the README, a forced call with
+    stop_on_first_tool ends on the tool's output, and an answer that max_tokens cuts raises
+    ModelBehaviorError (response.incomplete). Its own default model is a 404."""
     agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents) is "
                                                   "not installed")
     from agents.models.openai_provider import OpenAIProvider
@@ -3320,10 +3322,17 @@ def test_openai_agents_sdk_on_its_defaults(server, nudged):
         streamed = agents.Runner.run_streamed(agent, ASK_WEATHER, run_config=config)
         events = [e.data.type async for e in streamed.stream_events()
                   if e.type == "raw_response_event"]
+        forced = await agents.Runner.run(agent.clone(
+            model_settings=agents.ModelSettings(temperature=0, max_tokens=100,
+                                                tool_choice="required"),
+            tool_use_behavior="stop_on_first_tool"), ASK_WEATHER, run_config=config)
+        cut = agents.ModelSettings(temperature=0, max_tokens=4)
+        with pytest.raises(agents.ModelBehaviorError, match="response.incomplete"):
+            await agents.Runner.run(agent.clone(model_settings=cut), ASK_WEATHER, run_config=config)
         with pytest.raises(APIStatusError) as e:
             await agents.Runner.run(agent.clone(model=None), ASK_WEATHER, run_config=config)
-        return result, streamed, events, e.value
-    result, streamed, events, error = asyncio.run(run())
+        return result, streamed, events, forced, e.value
+    result, streamed, events, forced, error = asyncio.run(run())
     print(cities, repr(result.final_output), repr(streamed.final_output))
     assert cities and all(isinstance(c, str) and 0 < len(c) <= 20 for c in cities)
     for r in (result, streamed):                  # a call or more (parallel), then the answer
@@ -3333,6 +3342,8 @@ def test_openai_agents_sdk_on_its_defaults(server, nudged):
     assert result.final_output and streamed.final_output == result.final_output
     assert "response.function_call_arguments.delta" in events
     assert "response.output_text.delta" in events
+    assert forced.final_output == "sunny, 21 degrees"
+    assert [item.type for item in forced.new_items] == ["tool_call_item", "tool_call_output_item"]
     assert error.status_code == 404 and MODEL in error.message
 
 
