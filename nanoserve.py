@@ -2618,6 +2618,15 @@ class _ToolCallShape(_ChatShape):
         return {"index": d.index, "delta": delta,
                 "logprobs": chat_logprobs(self, d), "finish_reason": d.finish_reason}
 
+    async def body(self, chunks, request: Request) -> Optional[dict]:
+        """The whole response, each call in OpenAI's non-streamed shape: without the `index`
+        that joins a stream's deltas to their call (_fold)."""
+        body = await super().body(chunks, request)
+        for choice in body["choices"] if body else []:
+            for call in choice["message"].get("tool_calls", []):
+                del call["index"]
+        return body
+
 # -- the engine core's half: matchers, masks, and the tokens followed --
 class GrammarMasks:
     """The host half: each request's matcher, its masks filled on every core but one (the step
