@@ -1311,8 +1311,7 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,   # input features per loop step
     SPLIT_K: tl.constexpr,   # programs sharing one tile's K
     NORM: tl.constexpr,      # x -> norm_w * RMSNorm(x)
-    NORM_FIRST: tl.constexpr,  # NORM with 1 / rms from a first pass, applied before the dot (fp16)
-    NORM_BLOCK: tl.constexpr,  # columns of x per step of that first pass (an L2 round trip each)
+    RESCALE: tl.constexpr,   # fp16 NORM: a row's slice too large for fp16 is scaled down
     SILU_MUL: tl.constexpr,  # x -> silu(gate) * up
     RESIDUAL: tl.constexpr,  # out = residual + x W^T
     SCALE: tl.constexpr,     # e4m3 weights, and x quantized as it streams in: an fp8 dot
@@ -1338,10 +1337,11 @@ def _skinny_kernel(
     sums x^2, and the epilogue multiplies each row by its 1 / rms (no first
     pass over x). f(x) is computed in fp32 and rounded to x's dtype for the
     dot, with fp32 accumulation. In fp16 that rounding of norm_w * x would
-    overflow past 65,504, where x / rms is small. So fp16 takes NORM_FIRST:
-    a first pass over the rows (at most 16, from L2) finds each 1 / rms, and
-    the loop applies it before rounding. bf16 and fp32 keep the one pass,
-    since their exponent is fp32's and cannot overflow there.
+    overflow past 65,504, where x / rms is small. So in fp16 (RESCALE) a
+    row's slice whose largest magnitude passes 2^14 is divided by a power of
+    two for the dot, and the product multiplied back: exact scalings, and a
+    factor of 1 for every slice that fits. bf16 and fp32 need none: their
+    exponent is fp32's.
 
     Split-K and the epilogue are the GEMV's: the last split of a tile to
     finish adds up the fp32 partials (and sums of squares). Memory traffic:
@@ -1369,14 +1369,6 @@ def _skinny_kernel(
     _wait_for_inputs(PDL)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, BLOCK_K) at k = 0
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # (BLOCK_M, BLOCK_K) at k = 0
-    if NORM_FIRST:  # -- fp16's first pass: 1 / rms of each whole row, whatever the split --
-        offs_r = tl.arange(0, NORM_BLOCK)
-        row_sum_sq = tl.zeros([BLOCK_M], tl.float32)
-        for r0 in range(0, K, NORM_BLOCK):
-            xr = tl.load(x_ptr + offs_m[:, None] * stride_xm + r0 + offs_r[None, :],
-                         mask=mask_m[:, None] & (r0 + offs_r < K)[None, :], other=0.0)
-            row_sum_sq += tl.sum(xr.to(tl.float32) * xr.to(tl.float32), 1)
-        rstd = tl.rsqrt(row_sum_sq / K + eps)                       # (BLOCK_M,)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # NORM: x^2, summed over K after the loop
     if NORM:  # norm_w is read a step ahead, in registers: Triton pipelines only the dot's inputs
@@ -1396,10 +1388,7 @@ def _skinny_kernel(
         if NORM:
             norm_w_next = tl.load(norm_w_ptr + k0 + BLOCK_K + offs_k,
                                   mask=k0 + BLOCK_K + offs_k < k_hi, other=0.0)
-            if NORM_FIRST:
-                a *= rstd[:, None]
-            else:
-                sq += a * a
+            sq += a * a
             a *= norm_w.to(tl.float32)[None, :]
             norm_w = norm_w_next
         # -- acc += w @ f(x)^T --
@@ -1407,6 +1396,10 @@ def _skinny_kernel(
             x_scale = tl.maximum(tl.max(tl.abs(a), 1), 1e-12) / 448.0  # (BLOCK_M,)
             q = (a / x_scale[:, None]).to(w.dtype)
             acc += tl.dot(w, tl.trans(q)) * x_scale[None, :]
+        elif RESCALE:  # fp16: 2^e, the least power of two that brings the slice under 2^14
+            e = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(a), 1) / 16384.0)), 0.0)  # (BLOCK_M,)
+            a = (a * tl.exp2(-e)[:, None]).to(x_ptr.dtype.element_ty)
+            acc += tl.dot(w, tl.trans(a), input_precision=DOT_PRECISION) * tl.exp2(e)[None, :]
         else:
             a = a.to(x_ptr.dtype.element_ty)
             acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
@@ -1417,7 +1410,7 @@ def _skinny_kernel(
     if SPLIT_K > 1:  # -- the last split of the tile to finish adds up all of them --
         tl.store(part_ptr + split * M * N + offs_part, acc, mask=mask)
         offs_sq = tile * BLOCK_M + offs_m                       # in one split's (tiles, BLOCK_M)
-        if NORM and not NORM_FIRST:
+        if NORM:
             tl.store(sq_ptr + split * tl.num_programs(0) * BLOCK_M + offs_sq, sum_sq)
         tl.debug_barrier()  # all of this program's partial is written before it counts in
         if tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel") < SPLIT_K - 1:
@@ -1427,11 +1420,11 @@ def _skinny_kernel(
         sum_sq = tl.zeros([BLOCK_M], tl.float32)
         for s in range(SPLIT_K):  # ".cg": read the other SMs' partials from L2, not a stale L1
             acc += tl.load(part_ptr + s * M * N + offs_part, mask=mask, cache_modifier=".cg")
-            if NORM and not NORM_FIRST:
+            if NORM:
                 sum_sq += tl.load(sq_ptr + s * tl.num_programs(0) * BLOCK_M + offs_sq,
                                   cache_modifier=".cg")
 
-    if NORM and not NORM_FIRST:
+    if NORM:
         acc *= tl.rsqrt(sum_sq / K + eps)[None, :]
     if SCALE:  # e4m3 weights: the row's scale, once per output rather than per weight
         acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[:, None]
@@ -1505,8 +1498,7 @@ def skinny_matmul(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual
         out.stride(0) if residual is None else residual.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K,
         NORM=norm_weight is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
-        NORM_FIRST=norm_weight is not None and x.dtype == torch.float16,
-        NORM_BLOCK=min(1024, max(16, triton.next_power_of_2(K))),
+        RESCALE=norm_weight is not None and x.dtype == torch.float16,
         SCALE=scale is not None, DOT_PRECISION=_dot_precision(x.dtype),
         PDL=USE_PDL, PREFETCH_BYTES=max(128, 1 << (prefetch.bit_length() - 1)),
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH,

@@ -1810,7 +1810,7 @@ def test_skinny_matmul_fp16_norm_does_not_overflow(device, M, split_k, monkeypat
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_skinny_matmul_cuda_shapes(M, N, K, dtype):
     """Llama-3.2-1B's qkv, o, LM head and gate_up, Llama-3.1-8B's qkv and Qwen3-0.6B's down
-    in bf16 and fp16 (its norm's first pass takes 1 to 4 steps here), with the tiles
+    in bf16 and fp16 (its slices rescaled only where they would overflow), with the tiles
     _skinny_config picks and RMSNorm fused in, against gemv_ref."""
     gen = torch.Generator().manual_seed(M)
     x = torch.randn(M, K, generator=gen).to("cuda", dtype)
