@@ -2012,11 +2012,13 @@ def test_prefill_cuda_graph():
 
 @pytest.mark.skipif(NO_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("attention", ["triton"])
-def test_graphs_equal_eager(tiny, attention):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_graphs_equal_eager(tiny, attention, kv_cache_dtype):
     """Every step replayed from a CUDA graph (decode-only and prompt-carrying,
     padded to several sizes) gives the tokens of the same steps run eagerly:
     fp32, greedy, chunks of 24 tokens over prompts of 3 to 150, a pool small
-    enough to preempt, and repeated prompts for prefix-cache hits."""
+    enough to preempt, and repeated prompts for prefix-cache hits; on a pool in
+    the model's dtype and on an e4m3 one."""
     path, _ = tiny
     prompts = [list(range(5, 16)), [20, 21, 22], list(range(30, 180)), list(range(5, 16)) + [7],
                list(range(30, 180)), list(range(200, 290))]
@@ -2024,7 +2026,8 @@ def test_graphs_equal_eager(tiny, attention):
     outs, graphs = {}, {}
     for eager in (True, False):
         llm = ns.LLM(path, device="cuda", dtype="float32", attention=attention, num_blocks=30,
-                     block_size=8, max_num_batched_tokens=24, max_num_seqs=4, enforce_eager=eager)
+                     block_size=8, max_num_batched_tokens=24, max_num_seqs=4, enforce_eager=eager,
+                     kv_cache_dtype=kv_cache_dtype)
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
         graphs[eager] = llm.engine.runner.graph_sizes
         assert llm.stats()["preemptions_total"] > 0 and llm.stats()["prefix_cache_hit_tokens_total"] > 0
