@@ -427,12 +427,13 @@ class ModelShape:
     num_heads: int         # n_heads
     num_kv_heads: int      # n_kv
     head_dim: int          # hd
-    dtype_bytes: int       # of the weights and the KV cache as run
+    dtype_bytes: int       # of the weights as run
     layer_weight_bytes: int  # of a decoder layer's weights as run: 1 with --quantization fp8
+    kv_element_bytes: int  # of a K or V value in the pool: 1 with --kv-cache-dtype fp8
 
     @property
     def kv_bytes_per_token(self):  # K and V of every layer
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_element_bytes
 
     def decode_step_bytes(self, B, ctx):
         """Least bytes one decode step must read: every weight once (a tied
@@ -465,7 +466,7 @@ class ModelShape:
         return 2 * self.num_layer_params * num_prompt_tokens + per_output * num_output_tokens
 
 
-def model_shape(model_dir, dtype, quantization=None):
+def model_shape(model_dir, dtype, quantization=None, kv_cache_dtype=None):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):  # shapes without memory
@@ -479,7 +480,8 @@ def model_shape(model_dir, dtype, quantization=None):
         intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
         num_heads=n_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads,
-        dtype_bytes=dtype.itemsize, layer_weight_bytes=1 if quantization == "fp8" else dtype.itemsize)
+        dtype_bytes=dtype.itemsize, layer_weight_bytes=1 if quantization == "fp8" else dtype.itemsize,
+        kv_element_bytes=1 if kv_cache_dtype == "fp8" else dtype.itemsize)
 
 
 def load_hf_model(model_dir, args):
@@ -500,7 +502,8 @@ def random_prompts(rng, vocab_size, lengths):
 
 
 ENGINE_FLAGS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "attention",
-                "enforce_eager", "tensor_parallel_size", "quantization")  # passed to nanoserve only when set
+                "enforce_eager", "tensor_parallel_size", "quantization",
+                "kv_cache_dtype")  # passed to nanoserve only when set
 
 
 def make_llm(args, model_dir, ns=None, **overrides):
@@ -648,7 +651,7 @@ DEFAULT_SYSTEMS = {
 
 def throughput(args, model_dir, hw):
     """Offline throughput of many random requests, against the baselines."""
-    shape = model_shape(model_dir, args.torch_dtype, args.quantization)
+    shape = model_shape(model_dir, args.torch_dtype, args.quantization, args.kv_cache_dtype)
     rng = random.Random(0)
     lengths = [(rng.randint(args.min_input, args.max_input), rng.randint(args.min_output, args.max_output))
                for _ in range(args.num_seqs)]
@@ -897,7 +900,7 @@ def latency_cpu_workloads(args, model_dir, shape, hw, rng):
 
 def latency(args, model_dir, hw):
     """Batch-1 decode, prefill, decode tok/s as the batch grows; on cpu, whole requests too."""
-    shape = model_shape(model_dir, args.torch_dtype, args.quantization)
+    shape = model_shape(model_dir, args.torch_dtype, args.quantization, args.kv_cache_dtype)
     log(f"{shape.num_params / 1e6:.1f} M parameters, {shape.kv_bytes_per_token} KV bytes per token")
     curves = {}
     for system, fn in (("nanoserve", latency_nanoserve), ("transformers-generate", latency_transformers)):
@@ -2037,6 +2040,8 @@ def parse_args(argv=None):
     g.add_argument("--graphs-only", action="store_true", help="serve: skip the --enforce-eager pass")
     g.add_argument("--quantization", choices=["fp8"], help="fp8 weights (nanoserve only; GB/s count "
                                                            "the bytes read: 1 per layer weight)")
+    g.add_argument("--kv-cache-dtype", choices=["fp8"], help="an fp8 e4m3 KV pool (nanoserve only; "
+                                                             "GB/s count 1 byte per K or V value)")
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,9 +7,9 @@ batched sampling with grammars, each step replayed as one CUDA graph, and an Ope
 server with SSE streaming. The kernels live in paged_attention.py. Part one took 317 minutes in the
 last timed read (README.md's reading path), the chapters about 270.
 
-Left out on purpose: pipeline parallelism, quantization other than fp8 weights (no fp8 KV cache,
-no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA, beam
-search, multimodal inputs, sliding-window attention and every other model family.
+Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
+cache (no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA,
+beam search, multimodal inputs, sliding-window attention and every other model family.
 
 Run it:
     python download.py                                  # SmolLM2-135M-Instruct
@@ -28,7 +28,7 @@ request may or may not use. Four are on by default, so a default request runs th
 classes but not its step: async scheduling, CUDA graphs (on a GPU), the engine core process (behind
 the server) and prefix caching. The others are stop strings, the burst rule, speculative decoding,
 structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights, the
-rest of the OpenAI API, the Responses API and faults. Each enters part one through seams, lines
+fp8 KV cache, the rest of the OpenAI API, the Responses API and faults. Each enters part one through seams, lines
 labelled "# chapter: NAME" that do nothing while it is off.
 """
 
@@ -103,6 +103,7 @@ class Config:
     tensor_parallel_size: int = _flag(1, "GPUs the model is split over (on cpu: processes)")
     quantization: Optional[str] = _flag(None, "fp8: the layers' weights in fp8 e4m3, a scale per "
                                               "output channel, quantized at load")
+    kv_cache_dtype: str = _flag("auto", "the KV pool's dtype: fp8 (e4m3) or auto (the model's)")
     num_speculative_tokens: int = _flag(0, "drafts checked per decode step (0: off; at most 15)")
     async_scheduling: bool = _flag(True, "launch each step before the last one's tokens are "
                                          "read back (chapter: async scheduling)",
@@ -196,13 +197,14 @@ class Config:
         for name, allowed in [("attention", ("triton", "sdpa", "torch")),
                               ("dtype", ("float32", "bfloat16", "float16")),
                               ("tool_call_parser", ("auto", "hermes", "llama3", "mistral")),
-                              ("quantization", (None, "fp8"))]:
+                              ("quantization", (None, "fp8")), ("kv_cache_dtype", ("auto", "fp8"))]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.attention == "triton" and not self.device.startswith("cuda") \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
         check_fp8(self)                                        # chapter: fp8 weights
+        check_fp8_kv_cache(self)                               # chapter: fp8 KV cache
 
     torch_dtype = property(lambda self: getattr(torch, self.dtype))
 
@@ -755,15 +757,15 @@ class ModelRunner:
     # -- KV pool --
     def _bind_kv_cache(self, num_blocks: int):
         cfg, n_kv = self.cfg, self.model.layers[0].attn.n_kv       # n_kv: this rank's
-        kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, n_kv,
-                         cfg.head_dim, dtype=cfg.torch_dtype, device=self.device)
+        kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, n_kv, cfg.head_dim,
+                         dtype=kv_cache_dtype(cfg), device=self.device)  # chapter: fp8 KV cache
         for layer, k, v in zip(self.model.layers, *kv):   # each (num_blocks, block_size, n_kv, hd)
             layer.attn.k_cache, layer.attn.v_cache = k, v
 
     def allocate_kv_cache(self) -> int:
-        cfg = self.cfg
+        cfg, dtype = self.cfg, kv_cache_dtype(self.cfg)        # chapter: fp8 KV cache
         block_bytes = (2 * cfg.num_layers * cfg.block_size * self.model.layers[0].attn.n_kv
-                       * cfg.head_dim * cfg.torch_dtype.itemsize)      # n_kv: this rank's
+                       * cfg.head_dim * dtype.itemsize)                # n_kv: this rank's
         if cfg.num_blocks:
             num_blocks = cfg.num_blocks
         elif self.use_cuda:
@@ -778,6 +780,8 @@ class ModelRunner:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens "
                              "or raise gpu_memory_utilization")
         self._bind_kv_cache(num_blocks)
+        _progress(f"KV cache: {num_blocks} blocks of {cfg.block_size} tokens, "
+                  f"{num_blocks * cfg.block_size} tokens, {dtype}", end=True)
         return num_blocks
 
     # -- inputs --
@@ -3079,6 +3083,32 @@ def quantize_fp8_weights(model: Model, cfg: Config):
     for module in model.layers.modules():
         if isinstance(module, nn.Linear):
             module.weight = pa.quantize_fp8(module.weight)   # (N, K) e4m3, .scale (N,)
+
+# ---------------------------------------------------------------------------
+# Chapter: fp8 KV cache
+# With kv_cache_dtype="fp8" the KV pool holds keys and values in fp8 e4m3, one byte each where
+# bf16 takes two. The same memory then holds twice the tokens, and a decode step, which reads
+# every cached K and V of its batch, reads half the bytes. The scale is 1.0, vLLM's default
+# without calibration. rope_store clamps each value to +-448 and rounds it to e4m3, and the
+# attention kernels widen it to q's dtype as they load it (paged_attention.py's store_kvcache
+# section says why one fixed scale). q, the weights and the activations keep their dtype. The
+# blocks, the block tables and the slots are as before, so CUDA graphs, prefix caching,
+# preemption, drafts and tensor parallelism need nothing of their own. On the CPU the sdpa path
+# widens what it reads from the pool, as the kernels do, so a lone sequence's K/V are copied
+# where they were read in place. README.md's fp8 KV cache section has the quality it costs.
+# Seams: Config._check (check_fp8_kv_cache), ModelRunner._bind_kv_cache and allocate_kv_cache
+# (kv_cache_dtype).
+
+def check_fp8_kv_cache(cfg: Config):
+    """Triton converts to and from e4m3 on compute capability 8.9 or above (Ada, Hopper)."""
+    if cfg.kv_cache_dtype == "fp8" and cfg.device.startswith("cuda") and \
+            torch.cuda.get_device_capability(cfg.device) < (8, 9):
+        raise ValueError("kv_cache_dtype fp8 needs compute capability 8.9 or above (Ada, "
+                         "Hopper); run this GPU with --kv-cache-dtype auto")
+
+def kv_cache_dtype(cfg: Config) -> torch.dtype:
+    """The KV pool's dtype: e4m3 with kv_cache_dtype="fp8", else the model's."""
+    return pa.FP8 if cfg.kv_cache_dtype == "fp8" else cfg.torch_dtype
 
 # ---------------------------------------------------------------------------
 # Chapter: the rest of the OpenAI API

@@ -8,7 +8,8 @@ sequence, so memory is handed out block by block and never fragments. A
 sequence finds its tokens through its `block_table`, the list of block ids it
 owns in order. This file holds the kernels that touch that pool:
 
-    store_kvcache            write this step's new K/V into their slots
+    store_kvcache            write this step's new K/V into their slots (as e4m3
+                             in an fp8 pool: kv_cache_dtype "fp8")
     paged_attention_decode   one query token per sequence (flash-decoding)
     paged_attention_prefill  many query tokens per sequence, causal, varlen;
                              also serves chunked prefill and decode rows
@@ -46,8 +47,8 @@ in CUDA graphs.
 Without a GPU the engine runs the `*_sdpa` functions near the end of the file
 instead: torch's CPU flash attention over K/V read from the same pool.
 
-Left out on purpose: fp8 KV caches, sliding windows, ALiBi, logit soft-capping,
-head dims that are not a power of two.
+Left out on purpose: sliding windows, ALiBi, logit soft-capping, head dims that
+are not a power of two.
 
 Checked against the plain torch references in this file (the Triton kernels
 and the CPU path alike) by the kernel tests:
@@ -131,8 +132,8 @@ def _attend_ref(q, k, v, scale):
 def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping):
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]  # (num_blocks * block_size, n_kv, hd)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+    for x, cache in ((k, k_cache), (v, v_cache)):       # (num_blocks * block_size, n_kv, hd)
+        cache.view(-1, *cache.shape[2:])[slots] = as_stored(x[valid], cache)
 
 
 def rope_ref(x, positions, cos, sin):
@@ -428,7 +429,7 @@ def _check_cache(k_cache, v_cache):
     assert k_cache.dim() == 4, "cache must be (num_blocks, block_size, n_kv, hd)"
     assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16, FP8)
     block_size, hd = k_cache.shape[1], k_cache.shape[3]
     assert _is_pow2(block_size), f"block_size {block_size} must be a power of two"
     assert _is_pow2(hd) and hd >= 16, f"head dim {hd} must be a power of two >= 16"
@@ -438,7 +439,7 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out
     _check_cache(k_cache, v_cache)
     assert q.dim() == 3 and q.shape[2] == k_cache.shape[3], "q must be (rows, n_heads, hd)"
     n_heads, n_kv = q.shape[1], k_cache.shape[2]
-    assert q.dtype == k_cache.dtype and q.device == k_cache.device
+    assert k_cache.dtype in (q.dtype, FP8) and q.device == k_cache.device
     assert q.stride(2) == 1, "q rows may be strided views, but each head must be contiguous"
     assert n_heads % n_kv == 0, f"{n_heads} query heads do not group over {n_kv} kv heads"
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2
@@ -454,6 +455,28 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, out
 # Each step's new keys and values go into the pool before attention runs, at
 # the slots the scheduler chose. slot_mapping[t] = block_id * block_size +
 # offset in block, or -1 for a padding token of a CUDA-graph batch.
+#
+# An fp8 pool holds each K and V value as e4m3 with a scale of 1.0, vLLM's
+# default without calibration. A value is clamped to +-FP8_MAX and rounded to
+# nearest on store (as_stored, _to_cache). Every reader widens it to q's dtype
+# as it loads. A fixed scale needs no calibration and no room in the pool. A
+# float's relative precision (3 mantissa bits) is the same at any scale, so a
+# per-layer scale would buy only range, which K and V (far below 448) do not
+# need.
+
+
+def as_stored(x, cache):
+    """x as the pool holds it: unchanged, or clamped and rounded to e4m3 for an fp8 pool."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8) if cache.dtype == FP8 else x
+
+
+@triton.jit
+def _to_cache(x, cache_ptr):
+    """as_stored in a kernel: x in the pool's dtype, clamped first if that is e4m3."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
 
 @triton.jit
 def _store_kvcache_kernel(
@@ -486,15 +509,15 @@ def _store_kvcache_kernel(
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     # (N_KV_PAD, HEAD_DIM) destinations in the pool
     offs_cache = slot * n_kv * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(k_cache_ptr + offs_cache, k, mask=mask)
-    tl.store(v_cache_ptr + offs_cache, v, mask=mask)
+    tl.store(k_cache_ptr + offs_cache, _to_cache(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + offs_cache, _to_cache(v, v_cache_ptr), mask=mask)
 
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
     _check_cache(k_cache, v_cache)
     N_tok, n_kv, hd = k.shape
     assert v.shape == k.shape and k_cache.shape[2:] == (n_kv, hd)
-    assert k.dtype == v.dtype == k_cache.dtype
+    assert k.dtype == v.dtype and k_cache.dtype in (k.dtype, FP8)
     assert k.stride(2) == 1 and v.stride(2) == 1, "each head of k and v must be contiguous"
     assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (N_tok,)
     assert slot_mapping.is_contiguous()
@@ -513,15 +536,16 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 # its scores and values into a running (online) softmax.
 
 @triton.jit
-def _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
+def _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head, offs_d,
                       stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr):
-    """Pool offsets of the K/V rows of positions offs_tok of sequence b; masked
-    positions read no block-table entry (padding entries are never read)."""
+    """Pool offsets of channels offs_d of the K/V rows of positions offs_tok of
+    sequence b; masked positions read no block-table entry (padding entries are
+    never read)."""
     block_ids = tl.load(block_tables_ptr + b * stride_bt + offs_tok // BLOCK_SIZE,
                         mask=mask_n, other=0)
     # int64: block_id * stride_cb overflows int32 in pools over 2**31 elements
-    return (block_ids.to(tl.int64) * stride_cb + (offs_tok % BLOCK_SIZE) * stride_ct
-            + kv_head * stride_ch)  # (BLOCK_N,)
+    rows = block_ids.to(tl.int64) * stride_cb + (offs_tok % BLOCK_SIZE) * stride_ct
+    return rows[:, None] + kv_head * stride_ch + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
 
 
 @triton.jit
@@ -718,13 +742,13 @@ def _decode_kernel(
         offs_tok = tile * BLOCK_N + offs_n  # (BLOCK_N,) positions in the sequence
         mask_n = offs_tok < L
         offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
-                                    stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
-        # -- scores --
-        k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+                                    offs_d, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+        # -- scores (K and V in q's dtype: an fp8 pool's e4m3 widened as it loads) --
+        k = tl.load(k_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (G_PAD, BLOCK_N)
         s = tl.where(mask_n[None, :], s, float("-inf"))  # every tile holds >= 1 real token
         # -- online softmax, accumulate p v --
-        v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     # An empty row (L == 0) leaves l_i == 0 and acc == 0: its output is 0.
@@ -932,9 +956,9 @@ def _prefill_kernel(
         offs_tok = start_n + offs_n  # (BLOCK_N,) key positions
         mask_n = offs_tok < kv_hi
         offs_kv = _paged_kv_offsets(block_tables_ptr, b, stride_bt, offs_tok, mask_n, kv_head,
-                                    stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
+                                    offs_d, stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
         # -- scores, causally masked only where the tile reaches the diagonal --
-        k = tl.load(k_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if start_n >= kv_full:
             # Key 0 is visible to every row (q_pos >= 0), so m_i is finite
@@ -942,7 +966,7 @@ def _prefill_kernel(
             visible = (offs_tok[None, :] <= q_pos[:, None]) & mask_n[None, :]
             s = tl.where(visible, s, float("-inf"))
         # -- online softmax, accumulate p v --
-        v = tl.load(v_cache_ptr + offs_kv[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs_kv, mask=mask_n[:, None], other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     offs_out = (q_start + tok) * stride_ot + heads * stride_oh  # (BLOCK_M,)
@@ -1630,7 +1654,8 @@ def _rotate_into(src_ptr, offs, dst_ptr, offs_dst, cos, sin, mask, w_ptr, eps,
                  HAS_NORM: tl.constexpr, HALF: tl.constexpr):
     """Rotate the rows (heads) at src_ptr + offs into dst_ptr + offs_dst, in fp32, in the "rotate
     half" layout of transformers (channel i pairs with i + hd/2). With HAS_NORM each row is first
-    normalized by the weight at w_ptr, rounded to the dtype before the weight and after it."""
+    normalized by the weight at w_ptr, rounded to the dtype before the weight and after it. The
+    result is rounded to the source's dtype, then to the destination's (an fp8 pool: _to_cache)."""
     dtype = src_ptr.dtype.element_ty
     x1 = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -1639,8 +1664,9 @@ def _rotate_into(src_ptr, offs, dst_ptr, offs_dst, cos, sin, mask, w_ptr, eps,
         offs_w = tl.arange(0, HALF)[None, :]
         x1 = (tl.load(w_ptr + offs_w) * (x1 * rstd).to(dtype)).to(tl.float32)
         x2 = (tl.load(w_ptr + HALF + offs_w) * (x2 * rstd).to(dtype)).to(tl.float32)
-    tl.store(dst_ptr + offs_dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(dst_ptr + offs_dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    y1, y2 = (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+    tl.store(dst_ptr + offs_dst, _to_cache(y1, dst_ptr), mask=mask)
+    tl.store(dst_ptr + offs_dst + HALF, _to_cache(y2, dst_ptr), mask=mask)
 
 
 @triton.jit
@@ -1700,8 +1726,9 @@ def _rope_store_kvcache_kernel(
     _rotate_into(k_ptr, t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
                  k_cache_ptr, offs_cache, cos, sin, mask, k_norm_ptr, eps, HAS_NORM, HALF)
     offs_v = t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    tl.store(v_cache_ptr + offs_cache, tl.load(v_ptr + offs_v, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + offs_cache + HALF, tl.load(v_ptr + offs_v + HALF, mask=mask), mask=mask)
+    v1, v2 = tl.load(v_ptr + offs_v, mask=mask), tl.load(v_ptr + offs_v + HALF, mask=mask)
+    tl.store(v_cache_ptr + offs_cache, _to_cache(v1, v_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + offs_cache + HALF, _to_cache(v2, v_cache_ptr), mask=mask)
 
 
 def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
@@ -1711,7 +1738,7 @@ def rope_store_kvcache(q, k, v, k_cache, v_cache, slot_mapping, positions, cos, 
     N_tok, n_heads, hd = q.shape
     n_kv = k.shape[1]
     assert k.shape == v.shape == (N_tok, n_kv, hd) and k_cache.shape[2:] == (n_kv, hd)
-    assert q.dtype == k.dtype == v.dtype == k_cache.dtype
+    assert q.dtype == k.dtype == v.dtype and k_cache.dtype in (q.dtype, FP8)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "heads must be contiguous"
     for t in (slot_mapping, positions):
         assert t.dtype == torch.int64 and t.shape == (N_tok,) and t.is_contiguous()
@@ -1761,8 +1788,8 @@ def _gather_tokens(cache, slots):
     return rows.view(*slots.shape, *cache.shape[2:])
 
 
-def _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged):
-    """K and V of positions 0 .. L - 1 of each sequence, (B, n_kv, L, hd) each.
+def _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged, dtype):
+    """K and V of positions 0 .. L - 1 of each sequence, (B, n_kv, L, hd) each, in dtype.
 
     One sequence whose blocks are consecutive in the pool (a fresh pool hands
     blocks out in order, so a lone sequence's usually are) is one run of
@@ -1772,10 +1799,10 @@ def _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged):
         ids = block_tables[0, :-(-L // block_size)].tolist()
         if ids == list(range(ids[0], ids[0] + len(ids))):
             start = ids[0] * block_size
-            return [c.view(-1, *c.shape[2:])[None, start:start + L].transpose(1, 2)
+            return [c.view(-1, *c.shape[2:])[None, start:start + L].transpose(1, 2).to(dtype)
                     for c in (k_cache, v_cache)]
     slots = _token_slots(block_tables, context_lens, L, block_size, ragged)  # (B, L)
-    return [_gather_tokens(c, slots).transpose(1, 2) for c in (k_cache, v_cache)]
+    return [_gather_tokens(c, slots).transpose(1, 2).to(dtype) for c in (k_cache, v_cache)]
 
 
 _threads_set = {}   # the count set_cpu_threads last set -> torch's count before it
@@ -1798,10 +1825,12 @@ def set_cpu_threads(num_threads=0):
 
 def store_kvcache_sdpa(k, v, k_cache, v_cache, slot_mapping):
     """store_kvcache_ref without the padding mask: a CPU step has no padding
-    tokens (no CUDA graphs), and index_copy_ rejects a -1 slot."""
+    tokens (no CUDA graphs), and index_copy_ rejects a -1 slot. It copies bytes,
+    since torch's CPU index_copy_ takes no fp8."""
     _check_cache(k_cache, v_cache)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        rows = cache.view(-1, *cache.shape[2:]).view(torch.uint8)  # (slots, n_kv, hd * bytes)
+        rows.index_copy_(0, slot_mapping, as_stored(x, cache).view(torch.uint8))
 
 
 def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
@@ -1818,7 +1847,7 @@ def paged_attention_decode_sdpa(q, k_cache, v_cache, block_tables, context_lens,
     assert min(lens, default=1) > 0, "context_len 0 (CUDA-graph padding) has no place on this path"
     L = max(lens, default=0)
     ragged = min(lens, default=L) < L
-    k, v = _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged)  # (B, n_kv, L, hd)
+    k, v = _read_kv(k_cache, v_cache, block_tables, context_lens, L, ragged, q.dtype)  # (B, n_kv, L, hd)
     mask = ((torch.arange(L, device=q.device) < context_lens[:, None])[:, None, None, :]
             if ragged else None)                                             # (B, 1, 1, L)
     o = F.scaled_dot_product_attention(q.reshape(B, n_kv, n_heads // n_kv, hd), k, v,
@@ -1845,7 +1874,8 @@ def paged_attention_prefill_sdpa(q, k_cache, v_cache, block_tables, cu_seqlens_q
     # -- prefill chunks --
     for b in (b for b, T in enumerate(q_lens) if T > 1):
         T, L = q_lens[b], lens[b]
-        k, v = _read_kv(k_cache, v_cache, block_tables[b:b + 1], None, L, ragged=False)  # (1, n_kv, L, hd)
+        k, v = _read_kv(k_cache, v_cache, block_tables[b:b + 1], None, L, False,
+                        q.dtype)  # (1, n_kv, L, hd), widened as the kernels do
         # query j sits at position L - T + j: with a cached prefix (T < L) the diagonal is offset
         pos = torch.arange(L, device=q.device)
         mask = pos <= pos[L - T:, None] if T < L else None  # (T, L)
