@@ -312,10 +312,14 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass
 class AttentionMetadata:
-    """Where a step's sequences live in the flat batch and in the KV pool. ModelRunner.prepare
-    fills it. A sequence's block_table lists the pool blocks that hold its KV, in order, and
-    block_tables holds one a row. slot_mapping gives each new token the pool slot its K/V is
-    written to, block_id * block_size + offset. A slot of -1 marks a padding token."""
+    """Where a step's sequences live in the flat batch and in the KV pool; ModelRunner.prepare
+    fills it. By example: block_size 4, one sequence of 6 tokens whose last 2 are new this step,
+    its K/V in pool blocks 7 and 2 (its block_table).
+        block_tables  each sequence's block_table, a row each: [[7, 2]]
+        slot_mapping  the pool slot each new token's K/V is written to, block_id * block_size
+                      + offset: tokens 4 and 5 go to 2 * 4 + 0 = 8 and 9 (-1: a padding token)
+        context_lens  tokens in the cache once this step has run: [6]
+        cu_seqlens_q  where each sequence's new tokens start among the step's N_tok: [0, 2]"""
     slot_mapping: torch.Tensor        # (N_tok,) int64
     block_tables: torch.Tensor        # (B, max_blocks) int32, max_blocks: the table's width
     context_lens: torch.Tensor        # (B,) int32, tokens in the cache after this step

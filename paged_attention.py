@@ -2,56 +2,47 @@
 Paged attention kernels for nanoserve, in Triton, each next to a plain torch
 reference that computes the same thing.
 
-Serving keeps the keys and values of every running sequence in one pool of
-fixed-size blocks (the paged KV cache) instead of one long tensor per
-sequence, so memory is handed out block by block and never fragments. A
-sequence finds its tokens through its `block_table`, the list of block ids it
+Serving keeps the keys and values of every running sequence in one pool of fixed-size blocks (the
+paged KV cache) instead of one long tensor per sequence, so memory is handed out block by block and
+never fragments. A sequence finds its tokens through its `block_table`, the list of block ids it
 owns in order. This file holds the kernels that touch that pool:
 
-    store_kvcache            write this step's new K/V into their slots (as e4m3
-                             in an fp8 pool: kv_cache_dtype "fp8")
+    store_kvcache            write this step's new K/V into their slots (e4m3 in an fp8 pool)
     paged_attention_decode   one query token per sequence (flash-decoding)
-    paged_attention_prefill  many query tokens per sequence, causal, varlen;
-                             also serves chunked prefill and decode rows
+    paged_attention_prefill  many query tokens per sequence, causal, varlen; also serves
+                             chunked prefill and decode rows
     rope_store_kvcache       RoPE on q and k fused into store_kvcache
     rms_norm, silu_and_mul   the layers' elementwise steps, one launch each
     quantize_fp8, quantize_rows
-                             fp8 weights: e4m3 with a scale per output
-                             channel, and a batch's activations quantized per
-                             token for torch._scaled_mm (linear chooses)
-    norm, linear, ATTENTION  which of these (or of the torch versions) the
-                             engine calls, chosen in the first section
-                             (ATTENTION in the last)
+                             fp8 weights: e4m3 with a scale per output channel, and a batch's
+                             activations quantized per token for torch._scaled_mm (linear chooses)
+    norm, linear, ATTENTION  which of these (or of the torch versions) the engine calls, chosen
+                             in the first section (ATTENTION in the last)
     cuda_graph_sizes, graph_key
-                             which CUDA graphs are captured, and which one
-                             replays a step
-    apply_token_mask         a grammar's mask applied to the logits in place,
-                             in one launch (nanoserve's structured-output
-                             chapter fills the masks)
+                             which CUDA graphs are captured, and which one replays a step
+    apply_token_mask         a grammar's mask applied to the logits in place, in one launch
+                             (nanoserve's structured-output chapter fills the masks)
     shard, row_parallel_linear
-                             tensor parallelism's primitives: a rank's cut of
-                             each weight, and the all-reduce after o and down
-                             (nanoserve's tensor-parallelism chapter runs the
-                             ranks)
+                             tensor parallelism's primitives: a rank's cut of each weight, and
+                             the all-reduce after o and down (nanoserve's tensor-parallelism
+                             chapter runs the ranks)
 
-and, for decode, a GEMV (one-row matmul) and a skinny matmul (up to 16 rows,
-one read of the weight for all of them) that apply RMSNorm or SiLU-and-mul to
-their input and add the residual to their output.
+and, for decode, a GEMV (one-row matmul) and a skinny matmul (up to 16 rows, one read of the weight
+for all of them) that apply RMSNorm or SiLU-and-mul to their input and add the residual to their
+output.
 
-Each kernel reads K/V straight from the pool through the block table (K/V are
-never gathered or repeated for grouped-query attention), and each wrapper only
-launches work sized from static shapes: no host sync, so the engine captures
-every step's forward pass, decode steps and steps with prompt tokens alike,
-in CUDA graphs.
+Each kernel reads K/V straight from the pool through the block table (K/V are never gathered or
+repeated for grouped-query attention), and each wrapper only launches work sized from static
+shapes: no host sync, so the engine captures every step's forward pass, decode steps and steps with
+prompt tokens alike, in CUDA graphs.
 
-Without a GPU the engine runs the `*_sdpa` functions near the end of the file
-instead: torch's CPU flash attention over K/V read from the same pool.
+Without a GPU the engine runs the `*_sdpa` functions near the end of the file instead: torch's CPU
+flash attention over K/V read from the same pool.
 
-Left out on purpose: sliding windows, ALiBi, logit soft-capping, head dims that
-are not a power of two.
+Left out on purpose: sliding windows, ALiBi, logit soft-capping, head dims not a power of two.
 
-Checked against the plain torch references in this file (the Triton kernels
-and the CPU path alike) by the kernel tests:
+Checked against the plain torch references in this file (the Triton kernels and the CPU path alike)
+by the kernel tests:
 
     TRITON_INTERPRET=1 pytest -q test_nanoserve.py    # CPU, Triton interpreter
     pytest -q test_nanoserve.py                       # GPU, bf16
@@ -80,32 +71,20 @@ import triton.language as tl
 
 # ----------------------------------------------------------------------------
 # What the engine calls, and what each call computes
-# The contracts first: each kernel's plain torch reference, which computes the
-# same thing one sequence or one op at a time; the tests hold every
-# implementation to these. Then the one place where the engine's implementation
-# of each step is chosen: nanoserve's layers call `norm` and `linear` (on the
-# GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch
-# references on the CPU); the sampler `argmax_rows`, `apply_token_mask`,
-# `apply_logit_edits` with its host half `logit_edit_entries`, and
-# `apply_top_k_top_p`; the model runner `to_device`, `put`, `cuda_graph_sizes`,
-# `graph_key` and `set_cpu_threads` (in the CPU path's section); speculative
-# decoding's `follow_accepted`; and each Attention layer
-# one (rope_store, attend) pair of ATTENTION (the last section): rope_store
-# rotates q in place and writes the rotated k and v into the pool, attend reads
-# the pool through the step's AttentionMetadata (as decode when every sequence
-# brings one token).
+# The contracts first: each kernel's plain torch reference, which computes the same thing one
+# sequence or one op at a time; the tests hold every implementation to these. Then the one place
+# where the engine's implementation of each step is chosen: nanoserve's layers call `norm` and
+# `linear` (on the GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch references
+# on the CPU); the sampler `argmax_rows`, `apply_token_mask`, `apply_logit_edits` with its host
+# half `logit_edit_entries`, and `apply_top_k_top_p`; the model runner `to_device`, `put`,
+# `cuda_graph_sizes`, `graph_key` and `set_cpu_threads` (in the CPU path's section); speculative
+# decoding's `follow_accepted`; and each Attention layer one (rope_store, attend) pair of ATTENTION
+# (the last section): rope_store rotates q in place and writes the rotated k and v into the pool,
+# attend reads the pool through the step's AttentionMetadata (as decode when every sequence brings
+# one token).
 
 # -- the layers' (the reading path's stop 3: from here to linear) --
-# Four tensors of a step's AttentionMetadata say where each token lives, shown
-# here on one example: block_size 4, one sequence of 6 tokens whose last 2 are
-# new this step, its K/V in pool blocks 7 and 2.
-#   block_tables  (B, max_blocks) each sequence's blocks in order: [[7, 2]]
-#   slot_mapping  (N_tok,) the pool slot each new token's K/V is written to,
-#                 block * block_size + offset: tokens 4 and 5 go to slots
-#                 2 * 4 + 0 = 8 and 9 (-1: a padding token, written nowhere)
-#   context_lens  (B,) tokens in the cache once this step has run: [6]
-#   cu_seqlens_q  (B+1,) where each sequence's new tokens start among the
-#                 step's N_tok: [0, 2]
+# (AttentionMetadata, in nanoserve's Layers, defines the four tensors by example.)
 
 def _gather_kv_ref(cache, block_table, L):
     """The first L tokens of one sequence, gathered through its block table."""
@@ -213,27 +192,25 @@ def norm(x, weight, eps):                                   # (N_tok, D)
 
 def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
            all_reduce=False):                             # (N_tok, K) -> (N_tok, N)
-    """The contract: residual + f(x) @ weight.T + bias, rounded as gemv_ref
-    rounds. f is the RMSNorm module `norm`, SiLU-and-mul (x = [gate, up]) or
-    nothing. residual (N_tok, N) and bias (N,) are optional. x, residual and the
-    output are in the model's dtype. Every matmul of a layer calls this.
+    """The contract: residual + f(x) @ weight.T + bias, rounded as gemv_ref rounds. f is the
+    RMSNorm module `norm`, SiLU-and-mul (x = [gate, up]) or nothing. residual (N_tok, N) and bias
+    (N,) are optional. x, residual and the output are in the model's dtype. Every matmul of a
+    layer calls this.
 
     Which kernel runs, for the reader who wants it:
-    - up to SKINNY_MAX_ROWS rows on the GPU, where _skinny_config has tiles
-      for the shape: the skinny matmul, one read of the weight for every row;
+    - up to SKINNY_MAX_ROWS rows on the GPU, where _skinny_config has tiles for the shape: the
+      skinny matmul, one read of the weight for every row;
     - one row (GEMV_MAX_ROWS) otherwise: the GEMV;
     - more rows: cuBLAS, after the elementwise kernels for f.
-    The first two apply f to x as it streams in and add the residual on the
-    way out: a norm, activation or add of its own would cost a launch and a
-    wait (~1.5 us) for almost no bytes. So a decoder layer takes 6 launches
-    where unfused it takes 11. A bias is a residual that every row shares, and
-    takes the residual's path.
-    An fp8 weight carries its scales (quantize_fp8). The GEMV and the skinny
-    matmul read it as it is, a larger bf16 batch on the GPU takes linear_fp8,
-    and anything else widens it (linear_fp8_ref: correct, and slower).
-    `all_reduce` marks a row-parallel matmul, summed over the tensor-parallel
-    ranks (row_parallel_linear). (`norm` here is the RMSNorm module passed in,
-    whose forward calls the `norm` function above.)"""
+    The first two apply f to x as it streams in and add the residual on the way out: a norm,
+    activation or add of its own would cost a launch and a wait (~1.5 us) for almost no bytes.
+    So a decoder layer takes 6 launches where unfused it takes 11. A bias is a residual that
+    every row shares, and takes the residual's path.
+    An fp8 weight carries its scales (quantize_fp8). The GEMV and the skinny matmul read it as
+    it is, a larger bf16 batch on the GPU takes linear_fp8, and anything else widens it
+    (linear_fp8_ref: correct, and slower). `all_reduce` marks a row-parallel matmul, summed over
+    the tensor-parallel ranks (row_parallel_linear). (`norm` here is the RMSNorm module passed
+    in, whose forward calls the `norm` function above.)"""
     if bias is not None:
         residual = bias.expand(x.shape[0], -1) if residual is None else residual + bias
     if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
