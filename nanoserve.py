@@ -28,8 +28,8 @@ request may or may not use. Four are on by default, so a default request runs th
 classes but not its step: async scheduling, CUDA graphs (on a GPU), the engine core process (behind
 the server) and prefix caching. The others are stop strings, the burst rule, speculative decoding,
 structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights, the
-fp8 KV cache, the rest of the OpenAI API, the Responses API and faults. Each enters part one through seams, lines
-labelled "# chapter: NAME" that do nothing while it is off.
+fp8 KV cache, the rest of the OpenAI API, the Responses API and faults. Each enters part one
+through seams, lines labelled "# chapter: NAME" that do nothing while it is off.
 """
 
 from __future__ import annotations
