@@ -302,7 +302,8 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """cos and sin of every position times every channel pair's frequency, precomputed; Attention's
-    rope_store rotates (pa.rope_ref), on the GPU fused with the KV write (pa.rope_store_kvcache)."""
+    rope_store rotates (pa.rope_ref), with the triton attention fused with the KV write
+    (pa.rope_store_kvcache)."""
     def __init__(self, cfg: Config):
         super().__init__()
         t = torch.arange(cfg.max_model_len, dtype=torch.float32)  # (max_model_len,) positions
@@ -782,7 +783,7 @@ class ModelRunner:
         num_blocks = pa.min_over_ranks(num_blocks, self.device)   # chapter: tensor parallelism
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens "
-                             "or raise gpu_memory_utilization")
+                             "or raise gpu_memory_utilization (on cpu: cpu_kv_cache_gb)")
         self._bind_kv_cache(num_blocks)
         _progress(f"KV cache: {num_blocks} blocks of {cfg.block_size} tokens, "
                   f"{num_blocks * cfg.block_size} tokens, {dtype}", end=True)
@@ -833,10 +834,10 @@ class ModelRunner:
         return b["input_ids"][:N], b["positions"][:N], meta
 
     def _flatten(self, batch: ScheduledBatch):
-        """Each sequence's new tokens in turn, as host lists, one per buffer. Also the rows that
-        sample: a sequence's last, once no prompt is left (a drafting one's d + 1 last, in the
-        chapter "speculative decoding"). And the rows whose input is a pending token (chapter:
-        async scheduling; none when off)."""
+        """Each sequence's new tokens in turn, as host lists, one per buffer (block_tables as a
+        numpy array). Also the rows that sample: a sequence's last, once no prompt is left (a
+        drafting one's d + 1 last, in the chapter "speculative decoding"). And the rows whose
+        input is a pending token (chapter: async scheduling; none when off)."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
         input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = flat.values()
@@ -966,7 +967,7 @@ class EngineCore:
         self.num_generated_tokens = 0                      # for /metrics
 
     def add_request(self, request: EngineCoreRequest):
-        """Queue a checked request (FrontEnd.validate); it joins the batch next step."""
+        """Queue a checked request (FrontEnd.validate) in waiting, for the scheduler to admit."""
         seq = Sequence(request.request_id, request.prompt_token_ids, request.params)
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
@@ -1137,7 +1138,8 @@ class RequestState:
         return delta
 
 def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
-    """SamplingParams' own checks: a ValueError, naming the field first."""
+    """SamplingParams' own checks: a ValueError, naming the field first. Two also normalize:
+    a tiny temperature becomes 0, and logit_bias's keys become ints."""
     least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt only
     if not isinstance(p.max_tokens, int) or p.max_tokens < least:
         raise ValueError(f"max_tokens must be an integer >= {least}, got {p.max_tokens!r}")
@@ -2648,7 +2650,7 @@ class GrammarMasks:
     neither."""
 
     def __init__(self, tokenizer_path, eos_token_ids, max_rows, vocab_size, pin):
-        import llguidance.numpy                       # only where grammars are served
+        import llguidance.numpy                       # the bitmask fill (fill_async)
         self.num_threads = min(16, max(1, (os.cpu_count() or 2) - 1))
         self.executor = functools.cache(lambda: llguidance.LLExecutor(self.num_threads))
         self.tokenizer = functools.cache(lambda: llguidance.LLTokenizer(   # built on first use
