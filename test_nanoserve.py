@@ -3878,7 +3878,11 @@ def start_serve(*flags):
                             cwd=os.path.dirname(os.path.abspath(__file__)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert "serving" in proc.stdout.readline() + proc.stdout.readline()
+        for line in iter(proc.stdout.readline, ""):   # loaded, the KV pool, then serving
+            if "serving" in line:
+                break
+        else:
+            raise AssertionError("serve exited before it was serving")
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
             children = [int(pid) for pid in f.read().split()]
         wait_healthy(f"http://127.0.0.1:{port}")
