@@ -1560,14 +1560,17 @@ def _verify_step_seconds(llm, B, ctx, k, iters=20):
     engine, bs = llm.engine, llm.engine.cfg.block_size
     seqs = []
     for i in range(B):
-        seq = ns.Sequence(f"v{i}", [(7 * i + j) % 1000 + 1 for j in range(ctx)], ns.SamplingParams(temperature=0))
+        seq = engine.sequence_class(f"v{i}", [(7 * i + j) % 1000 + 1 for j in range(ctx)],
+                                    ns.SamplingParams(temperature=0))
         seq.block_table = [engine.allocator.allocate() for _ in range(-(-(ctx + k) // bs))]
         seq.num_computed_tokens = ctx - 1
         seqs.append(seq)
 
     def step():
         drafts = {seq: list(range(1, k + 1)) for seq in seqs} if k else {}
-        launched = engine.runner.launch(ns.ScheduledBatch(seqs, [1 + k] * B, drafts))
+        batch = ns.ScheduledBatch(seqs, [1 + k] * B)
+        batch.draft_token_ids = drafts                # as SpeculativeScheduler.schedule sets it
+        launched = engine.runner.launch(batch)
         engine.runner.sample(launched)
         engine.runner.finish_sample(launched)
         return launched.tokens.tolist()
@@ -1896,9 +1899,13 @@ def host_timers_of(ns):
                 if steps["on"]:
                     totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
         return wrapper
+    def engine_class(name):     # the default engine's class (each chapter's methods in turn)
+        return getattr(ns, {"Scheduler": "DefaultScheduler", "ModelRunner": "DefaultRunner",
+                            "EngineCore": "DefaultEngineCore"}.get(name, name), None) \
+            or getattr(ns, name)              # a version before the default engine's classes
     for cls, name in HOST_PHASES:
-        setattr(getattr(ns, cls), name, timed(getattr(getattr(ns, cls), name), name))
-    step = ns.EngineCore.step
+        setattr(engine_class(cls), name, timed(getattr(engine_class(cls), name), name))
+    step = engine_class("EngineCore").step
 
     def counted_step(self):
         s = self.scheduler
@@ -1907,7 +1914,7 @@ def host_timers_of(ns):
         steps["n"] += steady
         steps["on"] = steady and steps["n"] > 8    # until the next step: the front end's turn too
         return step(self)
-    ns.EngineCore.step = counted_step
+    engine_class("EngineCore").step = counted_step
     return totals, steps
 
 

@@ -15,21 +15,43 @@ Run it:
     python download.py                                  # SmolLM2-135M-Instruct
     python nanoserve.py generate "The capital of France is" --temperature 0
     python nanoserve.py serve --port 8000               # OpenAI API on 127.0.0.1
+    python nanoserve.py generate "Hello" --part-one     # part one's engine alone, as it reads
     pytest -q test_nanoserve.py                         # checked against transformers
 
 Checked against: transformers (each layer to ~1e-5 in fp32, and greedy
 decoding token for token), and the kernels against their torch references.
 
-It comes in two parts. Part one, config to CLI, is a whole engine with a plain synchronous step. A
-request enters at the HTTP handler or LLM.generate, and the FrontEnd tokenizes it. In the engine
-core it becomes a Sequence, is scheduled into a flat batch, runs through Model.forward and is
-sampled, and the FrontEnd turns its token ids into text. Then come the chapters, one per feature a
-request may or may not use. Four are on by default, so a default request runs through part one's
-classes but not its step: async scheduling, CUDA graphs (on a GPU), the engine core process (behind
-the server) and prefix caching. The others are stop strings, the burst rule, speculative decoding,
-structured output and tool calls, log-probs and logit edits, tensor parallelism, fp8 weights, the
-fp8 KV cache, the rest of the OpenAI API, the Responses API and faults. Each enters part one
-through seams, lines labelled "# chapter: NAME" that do nothing while it is off.
+It reads in two parts. Part one, Config to CLI, is a whole engine: a plain synchronous step, and
+a server that steps it in a thread. --part-one runs it alone (LLM(part_one=True) in Python), and
+a test proves its tokens equal the default engine's. A request enters at the HTTP handler or
+LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Sequence, is
+scheduled into a flat batch, runs through Model.forward and is sampled, and the FrontEnd turns
+its token ids into text. Then come the chapters, one per feature. A chapter extends part one's
+classes from below it: a subclass whose methods hand on to part one's with super(). The default
+engine is assembled from them at the end of the file, where main, the CLI's entry, is too.
+
+    chapter                     what it adds                               what it extends
+    async scheduling            step N+1 launched before N is read back    Sequence, Scheduler,
+                                                                           ModelRunner, EngineCore
+    CUDA graphs                 a step replayed as one graph               ModelRunner
+    the engine core process     the engine core in a process of its own    EngineCoreClient
+    stop strings                text cut at a stop string                  (seams)
+    prefix caching              blocks shared by prompts that begin alike  BlockAllocator, Sequence,
+                                                                           Scheduler, EngineCore
+    the burst rule              decodes wait at a burst of prompts         Scheduler
+    speculative decoding        drafts by prompt lookup, checked at once   Sequence, Scheduler,
+                                                                           ModelRunner, EngineCore
+    structured output           grammars and tool calls                    (seams)
+    log-probs and logit edits   log-probs; logit_bias and penalties        (seams)
+    tensor parallelism          the model cut over GPUs                    (seams)
+    fp8 weights                 e4m3 weights, a scale per row              (seams)
+    fp8 KV cache                an e4m3 KV pool                            (seams)
+    the rest of the OpenAI API  field tables, log-prob shapes, /metrics    (seams)
+    the Responses API           /v1/responses                              (seams)
+    faults                      a fault ends only the requests it touches  (seams)
+
+A chapter marked (seams) still enters part one through lines labelled "# chapter: NAME", which do
+nothing while it is off; the others are subclasses, and part one holds nothing of theirs.
 """
 
 from __future__ import annotations
@@ -55,7 +77,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import paged_attention as pa
@@ -106,8 +128,8 @@ class Config:
     kv_cache_dtype: str = _flag("auto", "the KV pool's dtype: fp8 (e4m3) or auto (the model's)")
     num_speculative_tokens: int = _flag(0, "drafts checked per decode step (0: off; at most 15)")
     async_scheduling: bool = _flag(True, "launch each step before the last one's tokens are "
-                                         "read back (chapter: async scheduling)",
-                                   "--no-async-scheduling")
+                                         "read back", "--no-async-scheduling")
+    part_one: bool = _flag(False, "run part one's engine alone, as nanoserve.py's part one reads")
     # -- server settings --
     host: str = _flag("127.0.0.1", "address the server binds to")
     port: int = _flag(8000, "port the server listens on")
@@ -504,29 +526,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
 
 # ---------------------------------------------------------------------------
 # Block allocator
-# The KV pool is cut into blocks of block_size tokens. A block is shared by every sequence whose
-# prefix it holds, so it has a reference count. A full block is also named by a hash of its whole
-# prefix (chapter: prefix caching). Once unused, it stays findable by that name until the pool
-# needs it.
+# The KV pool is cut into blocks of block_size tokens. A sequence holds the blocks its tokens'
+# K/V fill (its block_table). A block has a reference count, the sequences using it, so that a
+# block can one day be shared; in part one it is 0 or 1. A block whose count drops to 0 goes back
+# to the free list.
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks                 # sequences using each block
-        self.block_hashes: list[Optional[int]] = [None] * num_blocks  # a full block's prefix hash
-        self.free_block_ids = deque(range(num_blocks))   # ref 0, nothing cached in them
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached; LRU first
-        self.cached_blocks: dict[int, int] = {}          # prefix hash -> block id
+        self.free_block_ids = deque(range(num_blocks))   # ref 0; the scheduler takes from the front
 
-    num_free_blocks = property(lambda self: len(self.free_block_ids) + len(self.evictable))
+    num_free_blocks = property(lambda self: len(self.free_block_ids))
 
     def allocate(self) -> int:
-        if self.free_block_ids:
-            block = self.free_block_ids.popleft()
-        else:  # evict the least recently used cached block
-            block, _ = self.evictable.popitem(last=False)  # the oldest first
-            del self.cached_blocks[self.block_hashes[block]]
-            self.block_hashes[block] = None
+        """A free block, its count set to 1. The scheduler checks num_free_blocks first."""
+        block = self.free_block_ids.popleft()
         assert self.ref_counts[block] == 0, f"block {block} allocated while in use"
         self.ref_counts[block] = 1
         return block
@@ -535,58 +550,33 @@ class BlockAllocator:
         assert self.ref_counts[block] > 0, f"block {block} freed twice"
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            if self.block_hashes[block] is None:
-                self.free_block_ids.append(block)
-            else:
-                self.evictable[block] = None             # most recently used goes last
-
-    def lookup(self, prefix_hash: int) -> Optional[int]:
-        return self.cached_blocks.get(prefix_hash)
-
-    def share(self, block: int):
-        """Take one more reference to a cached block (revive it if evictable)."""
-        if self.ref_counts[block] == 0:
-            del self.evictable[block]
-        self.ref_counts[block] += 1
-
-    def cache(self, block: int, prefix_hash: int):
-        """Name a full block by its prefix hash; the first block with a name keeps it."""
-        if self.block_hashes[block] is None and prefix_hash not in self.cached_blocks:
-            self.block_hashes[block] = prefix_hash
-            self.cached_blocks[prefix_hash] = block
+            self.free_block_ids.append(block)
 
 # ---------------------------------------------------------------------------
 # Scheduler
 # Every step the scheduler decides which sequences run and how many of their tokens. Running
 # sequences go first. Skipping a decode would stall its stream for a whole step, and would save
-# only one token of the budget (the chapter "the burst rule" makes the one exception). An
-# unfinished prefill takes a chunk of the budget. Waiting
+# only one token of the budget. An unfinished prefill takes a chunk of the budget. Waiting
 # sequences come next, in arrival order; a preempted one is first in line. They are admitted
 # while the budget, the seats (max_num_seqs) and the free blocks last.
 # When the pool runs dry, the latest admitted sequence is preempted: freed, and recomputed later.
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
-    In part one's synchronous step, between steps a decoding sequence's counts satisfy
-    num_computed_tokens == len(token_ids) - 1: every token but the newest is in the cache, and
-    the newest is the input of its next step. A prefill, or a recompute after a preemption, has
-    fewer computed until its last chunk. (The default, chapter async scheduling, adds the pending
-    token: len(token_ids) + num_pending_tokens - 1.)"""
+    Between steps a decoding sequence's counts satisfy num_computed_tokens == len(token_ids) - 1:
+    every token but the newest is in the cache, and the newest is the input of its next step. A
+    prefill, or a recompute after a preemption, has fewer computed until its last chunk."""
     def __init__(self, request_id: str, prompt_token_ids: list, params: SamplingParams):
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
         self.num_prompt_tokens = len(prompt_token_ids)     # fixed: output starts after these
-        self.num_computed_tokens = 0     # tokens launched: their K/V are in the cache or on the way
-        self.num_cached_tokens = 0       # prompt tokens served by the prefix cache
+        self.num_computed_tokens = 0     # tokens launched: their K/V are in the cache
+        self.num_cached_tokens = 0       # prompt tokens whose K/V were found, not computed
         self.block_table: list[int] = []                   # logical block i -> pool block id
-        self.block_hashes, self.num_named_blocks = [], 0       # chapter: prefix caching
-        self.num_pending_tokens = 0      # tokens from launch to read-back (EngineCore._launch)
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
         self.matcher = None                                    # chapter: structured output
         self.prompt_logprobs: list = []                  # chapter: log-probs and logit edits
-        self.ngrams = NgramIndex()                            # chapter: speculative decoding
-        self.guessed = (0, [])                                # chapter: speculative decoding
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
     is_finished = property(lambda self: self.status == "finished")
@@ -596,34 +586,26 @@ class ScheduledBatch:
     """What one step runs: each sequence with its number of new tokens."""
     seqs: list
     num_new_tokens: list
-    draft_token_ids: dict = field(default_factory=dict)  # chapter: speculative decoding (by seq)
     is_decode = property(lambda self: set(self.num_new_tokens) == {1})
 
 class Scheduler:
-    DECODES_EVERY = 4     # chapter: the burst rule (at a burst, decodes ride along every 4th step)
-
     def __init__(self, cfg: Config, allocator: BlockAllocator):
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
         self.waiting: deque[Sequence] = deque()            # FIFO; a preempted one goes first
         self.running: list[Sequence] = []      # in admission order
         self.num_steps = self.num_preemptions = 0    # counts; a step that preempts admits no one
-        self.num_cached_tokens = self.num_prompt_tokens = 0   # chapter: prefix caching (counts)
-        self.speculation = Speculation(cfg, self)             # chapter: speculative decoding
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
         self.num_steps += 1
-        # chapter: the burst rule (True: decodes sit this step out for prompts; else False)
-        decodes_wait = decodes_wait_at_burst(self, budget)
         # -- running sequences: decodes and unfinished prefill chunks --
         for seq in list(self.running):
             if budget == 0:
                 break
-            if not self._runs_this_step(seq, decodes_wait):
+            if not self._runs_this_step(seq):
                 continue
-            # num_pending_tokens is 0 here unless async scheduling is on (its chapter)
-            n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
+            n = min(self._num_tokens_to_compute(seq), budget)
             if self._reserve_blocks(seq, n):
                 batch.seqs.append(seq), batch.num_new_tokens.append(n)
                 budget -= n
@@ -632,32 +614,33 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and self.num_preemptions == num_preemptions_before:
             seq = self.waiting[0]
-            # chapter: prefix caching (block_table := the cached blocks of its prefix, and
-            # num_computed_tokens := their tokens; [] and 0 when off)
-            reuse_cached_prefix(self, seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if self._num_blocks_needed(seq, n) > self.allocator.num_free_blocks:
-                self._free_blocks(seq)         # give back the shared prefix; retry later
+            n = self._admit(seq, budget)
+            if n == 0:                         # too few free blocks: retry next step
                 break
-            self._reserve_blocks(seq, n)
-            self.waiting.popleft()
-            count_prefix_hits(self, seq)                      # chapter: prefix caching
-            seq.status = "running"
-            self.running.append(seq)
             batch.seqs.append(seq), batch.num_new_tokens.append(n)
             budget -= n
-        self.speculation.add_drafts(batch, budget)            # chapter: speculative decoding
         return batch
 
-    def _runs_this_step(self, seq: Sequence, decodes_wait: bool) -> bool:
-        """Whether a running sequence takes part in the step being built: not if preempted earlier
-        in this step's loop, nor one past its prompt (a decode, or a preempted one recomputing
-        its output) held back at a burst (decodes_wait: chapter: the burst rule; False when it
-        does not apply), nor one that ends when its pending token is read."""
-        preempted = seq.status != "running"
-        held_back = decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens
-        # ends_when_read is always False unless async scheduling is on (its chapter)
-        return not (preempted or held_back or ends_when_read(seq, self.cfg.max_model_len))
+    def _runs_this_step(self, seq: Sequence) -> bool:
+        """Whether a running sequence takes part in the step being built: not if it was preempted
+        earlier in this step's loop."""
+        return seq.status == "running"
+
+    def _num_tokens_to_compute(self, seq: Sequence) -> int:
+        """The tokens whose K/V are not yet in the cache: a prompt's rest, or a decode's newest."""
+        return seq.num_tokens - seq.num_computed_tokens
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Move the first waiting sequence to running with blocks for up to `budget` of its tokens;
+        return how many it runs, or 0 if the free blocks are too few (it stays first in line)."""
+        n = min(self._num_tokens_to_compute(seq), budget)
+        if self._num_blocks_needed(seq, n) > self.allocator.num_free_blocks:
+            return 0
+        self._reserve_blocks(seq, n)
+        self.waiting.popleft()
+        seq.status = "running"
+        self.running.append(seq)
+        return n
 
     def _num_blocks_needed(self, seq: Sequence, n: int) -> int:
         total = -(-(seq.num_computed_tokens + n) // self.block_size)  # ceil
@@ -686,8 +669,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _free_blocks(self, seq: Sequence):
-        # Tail blocks first: evicted before the heads, which other prompts are likelier to reuse
-        for block in reversed(seq.block_table):
+        for block in reversed(seq.block_table):   # tail first (the prefix cache's order of reuse)
             self.allocator.free(block)
         seq.block_table, seq.num_computed_tokens = [], 0
 
@@ -699,31 +681,26 @@ class Scheduler:
 # ---------------------------------------------------------------------------
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. Each step copies its
-# inputs into static buffers (self.buffers), allocated once at their largest. On the GPU a step's
-# forward pass is then replayed as one CUDA graph, which reads the addresses it recorded (chapter:
-# CUDA graphs); without one it runs eagerly, on the same buffers.
-# Three CUDA words. Pinned memory is host memory the GPU can copy from directly. A non_blocking
-# copy from it is queued on the stream, and the host goes on at once. A CUDA event, recorded on
-# the stream, marks a point in its queue; event.synchronize() waits for that point alone.
+# inputs into static buffers (self.buffers), allocated once at their largest, and the forward pass
+# reads them there. Three CUDA words. Pinned memory is host memory the GPU can copy from directly.
+# A non_blocking copy from it is queued on the stream, and the host goes on at once. A CUDA event,
+# recorded on the stream, marks a point in its queue; event.synchronize() waits for that point.
 
 @dataclass
 class StepInputs:
-    """A batch flattened into the buffers (prepare), padded to a graph's size if one replays it
-    (chapter: CUDA graphs)."""
+    """A batch flattened into the buffers (prepare)."""
     input_ids: torch.Tensor           # (N_tok,) int64
     positions: torch.Tensor           # (N_tok,) int64, each token's position in its sequence
     meta: AttentionMetadata
-    num_tokens: int                   # the real tokens; rows past them are padding
+    num_tokens: int                   # the real tokens: N_tok here
     samples: list                     # (row, seq) of each row that samples (_flatten says which)
     sample_positions: list            # the position of the token each one draws (seeds)
-    graph: Optional[tuple]            # (CUDAGraph, its output) to replay; None: run eagerly
 
 @dataclass
 class LaunchedStep:
     """A step on the device, its whole life. ModelRunner.launch queues its forward pass and
     logits. ModelRunner.sample samples it and starts the tokens' copy to the host, which
-    EngineCore._commit waits for. (A step with grammar rows samples later: chapter: structured
-    output. Chapter async scheduling launches the next step before this one's _commit.)"""
+    EngineCore._commit waits for."""
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
@@ -736,7 +713,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
-        self.workers = start_workers(cfg, ModelRunner)   # chapter: tensor parallelism (None: off)
+        self.workers = start_workers(cfg, type(self))  # chapter: tensor parallelism (None: off)
         with start_up(self.workers):                      # chapter: tensor parallelism
             self.use_cuda = self.device.type == "cuda"
             if self.device.type == "cpu":    # here, where the step loop runs, not in the server
@@ -754,10 +731,7 @@ class ModelRunner:
             self.grammar_masks = GrammarMasks(                 # chapter: structured output
                 str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
                 self.use_cuda)
-            self.graphs: dict[tuple, tuple] = {}   # chapter: CUDA graphs (none: eager steps)
-            self.graph_sizes = {True: [], False: []}   # (the captured sizes of each kind)
             self.num_blocks = self.allocate_kv_cache()
-            capture_cuda_graphs(self)                           # chapter: CUDA graphs
 
     # -- KV pool --
     def _bind_kv_cache(self, num_blocks: int):
@@ -775,9 +749,9 @@ class ModelRunner:
             num_blocks = cfg.num_blocks
         elif self.use_cuda:
             # The KV pool gets what the profiled peak (weights and the largest step) leaves.
-            peak = profile_peak_bytes(self)                   # chapter: CUDA graphs
             total = torch.cuda.get_device_properties(self.device).total_memory
-            num_blocks = int((total * cfg.gpu_memory_utilization - peak) // block_bytes)
+            num_blocks = int((total * cfg.gpu_memory_utilization - self.profile_peak_bytes())
+                             // block_bytes)
         else:
             num_blocks = int(cfg.cpu_kv_cache_gb * 1e9 // block_bytes)
         num_blocks = pa.min_over_ranks(num_blocks, self.device)   # chapter: tensor parallelism
@@ -789,14 +763,33 @@ class ModelRunner:
                   f"{num_blocks * cfg.block_size} tokens, {dtype}", end=True)
         return num_blocks
 
+    @torch.no_grad()
+    def profile_peak_bytes(self) -> int:
+        """The peak of GPU memory allocated (the weights, the buffers and the largest step's
+        activations), measured by running that step once on a dummy batch of
+        max_num_batched_tokens tokens, plus room for the sampler's sort."""
+        cfg, n, L = self.cfg, self.cfg.max_num_batched_tokens, self.cfg.max_model_len
+        seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
+        blocks = iter(range(n // cfg.block_size + len(seqs)))     # enough for every sequence
+        for seq in seqs:
+            seq.block_table = [next(blocks) for _ in range(-(-seq.num_tokens // cfg.block_size))]
+        self._bind_kv_cache(n // cfg.block_size + len(seqs))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.sample(self.launch(ScheduledBatch(seqs, [seq.num_tokens for seq in seqs])))
+        torch.cuda.synchronize(self.device)
+        # the sampler's peak grows with the batch: allow a full-vocab sort per row
+        sampler_bytes = 4 * cfg.max_num_seqs * cfg.vocab_size * 4
+        peak = torch.cuda.max_memory_allocated(self.device) + sampler_bytes
+        self._bind_kv_cache(0)
+        torch.cuda.empty_cache()
+        return peak
+
     # -- inputs --
-    def prepare(self, batch: ScheduledBatch, prev: Optional["LaunchedStep"]) -> StepInputs:
-        """The step's inputs in the static buffers: the batch flattened (_flatten), then padded to
-        the size of the graph that replays it, if one does (pad_for_graph). A worked step,
-        block_size 16, a budget of 41 tokens: B (71 tokens, blocks [2, 5, 8, 6, 1]) decodes
-        position 70; A (a 100-token prompt, 16 cached, blocks [7, 3, 9, 4]) takes the 40 left
-        (positions 16-55).
-        _flatten:
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's inputs in the static buffers: the batch flattened (_flatten), then copied.
+        A worked step, block_size 16, a budget of 41 tokens: B (71 tokens, blocks [2, 5, 8, 6,
+        1]) decodes position 70; A (a 100-token prompt, 16 of them computed in an earlier step,
+        blocks [7, 3, 9, 4]) takes the 40 left (positions 16-55).
             input_ids     B's token 70, then A's tokens 16..55
             positions     70, 16, 17, .., 55
             slot_mapping  22 (block 1), 48..63 (block 3), 144..159 (block 9), 64..71 (block 4)
@@ -804,27 +797,21 @@ class ModelRunner:
             cu_seqlens_q  [0, 1, 41]: B owns row 0, A rows 1-40
             block_tables  [[2, 5, 8, 6, 1], [7, 3, 9, 4, 0]]: as wide as the longest, 0-padded
         Only row 0 samples: A's chunk is not its prompt's last (with a 56-token prompt, row 40
-        would too). On the GPU the step is then padded to a captured graph's size: these 41
-        tokens replay the 48-token graph, its 7 extra rows writing nothing (slot -1). The chapter
-        CUDA graphs gives the padding's contract."""
-        flat, samples, pending = self._flatten(batch)
-        input_ids, num_tokens = flat.pop("input_ids"), len(flat["positions"])
-        N, S, width = num_tokens, len(batch.seqs), flat["block_tables"].shape[1]  # kernels' sizes
-        key = pa.graph_key(self.graph_sizes, batch.is_decode, num_tokens)   # None: runs eagerly
-        if key is not None:                              # chapter: CUDA graphs (the padding)
-            N, S, width = pad_for_graph(self, flat, key, num_tokens, len(batch.seqs))
-        if pending:         # chapter: async scheduling (no row has a pending token when off)
-            put_pending_tokens(self, batch, input_ids, pending, prev)
-        else:
-            pa.put(self.buffers["input_ids"], input_ids)
+        would too)."""
+        flat, samples = self._flatten(batch)
+        num_tokens = len(flat["positions"])
+        self._put_input_ids(batch, flat.pop("input_ids"))
         draws = [flat["positions"][row] + 1 for row, _ in samples]   # a row draws the next token
-        inputs = self.put_step(flat, key, N, S, width, batch.is_decode)
-        follow_accepted_drafts(self, batch, pending, prev)   # chapter: speculative decoding
-        return StepInputs(*inputs, num_tokens, samples, draws, self.graphs.get(key))
+        inputs = self.put_step(flat, num_tokens, len(batch.seqs), flat["block_tables"].shape[1],
+                               batch.is_decode)
+        return StepInputs(*inputs, num_tokens, samples, draws)
 
-    def put_step(self, flat: dict, key, N: int, S: int, width: int, is_decode: bool) -> tuple:
-        """The padded lists into the buffers: the model's inputs."""
-        send_step(self.workers, (flat, key, N, S, width, is_decode))  # chapter: tensor parallelism
+    def _put_input_ids(self, batch: ScheduledBatch, input_ids: list):
+        pa.put(self.buffers["input_ids"], input_ids)
+
+    def put_step(self, flat: dict, N: int, S: int, width: int, is_decode: bool) -> tuple:
+        """The lists into the buffers: the model's inputs, N tokens of S sequences."""
+        send_step(self.workers, (flat, N, S, width, is_decode))  # chapter: tensor parallelism
         for name, values in flat.items():
             pa.put(self.buffers[name], values)
         b = self.buffers
@@ -835,35 +822,25 @@ class ModelRunner:
 
     def _flatten(self, batch: ScheduledBatch):
         """Each sequence's new tokens in turn, as host lists, one per buffer (block_tables as a
-        numpy array). Also the rows that sample: a sequence's last, once no prompt is left (a
-        drafting one's d + 1 last, in the chapter "speculative decoding"). And the rows whose
-        input is a pending token (chapter: async scheduling; none when off)."""
+        numpy array). Also the rows that sample: a sequence's last, once no prompt is left."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
         input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = flat.values()
-        samples, pending, tables = [], [], []   # samples and pending: (row, seq)
+        samples, tables = [], []   # samples: (row, seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            drafts = batch.draft_token_ids.get(seq, ())    # chapter: speculative decoding
-            d = len(drafts)                                 # (0 when off)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            last_row = cu_seqlens_q[-1] + n - 1
-            input_ids += seq.token_ids[start:end - d]
-            if end - d > len(seq.token_ids):   # a pending token: chapter: async scheduling
-                input_ids.append(0)                # a placeholder, filled on the device
-                pending.append((last_row - d, seq))
-            input_ids += drafts
+            input_ids += seq.token_ids[start:end]
             table = seq.block_table
             tables.append(table + [0] * (width - len(table)))   # the row's blocks, then 0s
             positions += range(start, end)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             context_lens.append(end)
-            cu_seqlens_q.append(last_row + 1)
-            if end - d >= len(seq.token_ids):   # its last input is its newest token: it samples
-                samples += [(row, seq) for row in range(last_row - d, last_row + 1)] if d \
-                    else [(last_row, seq)]      # a plain row: no comprehension call per row
+            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+            if end == len(seq.token_ids):   # its last input is its newest token: it samples
+                samples.append((cu_seqlens_q[-1] - 1, seq))
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
-        return flat, samples, pending
+        return flat, samples
 
     def sampling_batch(self, seqs: list, positions: list, allowed=None) -> SamplingBatch:
         """The rows' settings; positions: of the token each row draws, which seeds its noise."""
@@ -884,17 +861,17 @@ class ModelRunner:
             logit_edits=logit_edits(seqs, self.device))      # chapter: log-probs and logit edits
 
     # -- forward and sample --
+    def forward(self, input_ids, positions, meta: AttentionMetadata):
+        """The model's forward pass over a step's inputs (in the buffers)."""
+        return self.model(input_ids, positions, meta)          # (N_tok, D)
+
     @torch.no_grad()
-    def launch(self, batch: ScheduledBatch, prev: Optional[LaunchedStep] = None) -> LaunchedStep:
-        """Queue one step on the device. (prev: chapter: async scheduling, the step still on the
-        device, whose samples are some of this step's inputs; None when off.)"""
-        inputs = self.prepare(batch, prev)
-        if inputs.graph is not None:           # chapter: CUDA graphs
-            graph, hidden = inputs.graph
-            graph.replay()                 # every kernel of the forward pass, one launch
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # (N_tok, D)
-        hidden = hidden[:inputs.num_tokens]                    # the padding rows dropped
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue one step on the device: its forward pass, then the logits of the rows that
+        sample."""
+        inputs = self.prepare(batch)
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = hidden[:inputs.num_tokens]                    # (N_tok, D)
         compute_prompt_logprobs(self, batch, hidden)      # chapter: log-probs and logit edits
         if not inputs.samples:                  # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None)
@@ -956,19 +933,23 @@ class EngineCoreOutput:
     prompt_logprobs: Optional[list] = None  # with the first token, if asked
 
 class EngineCore:
+    # The classes it is built from. Part one's here; the default engine at the end of the file
+    # names its own.
+    allocator_class, scheduler_class, runner_class = BlockAllocator, Scheduler, ModelRunner
+    sequence_class = Sequence
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.runner = ModelRunner(cfg)
-        self.allocator = BlockAllocator(self.runner.num_blocks)
-        self.scheduler = Scheduler(cfg, self.allocator)
+        self.runner = self.runner_class(cfg)
+        self.allocator = self.allocator_class(self.runner.num_blocks)
+        self.scheduler = self.scheduler_class(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
-        self.launched: Optional[LaunchedStep] = None   # chapter: async scheduling (None: off)
         self.committed: list = []   # the step in progress's outputs, each as made (fail_running)
         self.num_generated_tokens = 0                      # for /metrics
 
     def add_request(self, request: EngineCoreRequest):
         """Queue a checked request (FrontEnd.validate) in waiting, for the scheduler to admit."""
-        seq = Sequence(request.request_id, request.prompt_token_ids, request.params)
+        seq = self.sequence_class(request.request_id, request.prompt_token_ids, request.params)
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
         # chapter: structured output (None when the request has no grammar)
@@ -987,48 +968,42 @@ class EngineCore:
 
     def step(self) -> list:
         """One step, whole: schedule and launch it, sample it on the device, then read its tokens
-        back (_commit). Returns an EngineCoreOutput per token read back and kept. A sampled token
-        is pending (num_pending_tokens) from its launch to its read-back. This is the step with
-        --no-async-scheduling. By default step_one_ahead runs instead, and it reorders these same
-        calls: the chapter async scheduling's table follows one sequence through them."""
+        back (_commit). Returns an EngineCoreOutput per token read back and kept."""
         self.committed = []            # _commit adds each output as it makes it (fail_running)
-        if self.cfg.async_scheduling:  # chapter: async scheduling (the default: launches the
-            step_one_ahead(self)       # next step before this one is read back)
-        elif (launched := self._launch(None)) is not None:
+        launched = self._launch()
+        if launched is not None:
             self.runner.sample(launched)
             self._commit(launched)
         outputs, self.committed = self.committed, []   # handed out: no fault passes them on again
         return outputs
 
-    def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
+    def _launch(self) -> Optional[LaunchedStep]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return None
-        step = self.runner.launch(batch, prev)
+        step = self.runner.launch(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n        # their K/V are on the way into the cache
-        for seq in step.seqs:                   # one per row it samples
-            seq.num_pending_tokens += 1         # until _commit reads it back
         return step
 
     def _commit(self, step: LaunchedStep):
-        """Read a step's tokens back (its one host-device sync) and hand each to its sequence; each
-        output it makes goes into self.committed at once."""
-        self.runner.finish_sample(step)            # chapter: structured output (sampled when off)
-        if step.copied is not None:
-            step.copied.synchronize()          # this step only, not the one launched after it
-        host = [t.tolist() for t in step.host]   # tokens (B,), then log-probs: (B,), (B, k), (B, k)
-        tokens = host[0] if host else []
-        self.runner.grammar_masks.follow(step.seqs, tokens)         # chapter: structured output
-        rows = zip(step.seqs, zip(*host))      # (seq, row): a row is its token, then log-probs
-        if step.batch.draft_token_ids:         # chapter: speculative decoding (the rows kept)
-            rows = self.scheduler.speculation.kept_rows(rows, step, self.launched)
-        for seq, row in rows:
-            seq.num_pending_tokens -= 1         # read back: no longer pending
+        """Read a step's tokens back and hand each to its sequence; each output it makes goes
+        into self.committed at once."""
+        for seq, row in self._read_back(step):
             if not seq.is_finished:             # else aborted, or ended by the step before
                 self.committed.append(self._append_token(seq, *row))
-        for seq in step.batch.seqs:
-            name_computed_blocks(self.scheduler, seq)   # chapter: prefix caching (none if finished)
+
+    def _read_back(self, step: LaunchedStep):
+        """The step's sampled rows on the host, (seq, row) each: a row is its token, then its
+        log-probs if the step computed any. Waiting on the copy is the step's one host-device
+        sync."""
+        self.runner.finish_sample(step)            # chapter: structured output (sampled when off)
+        if step.copied is not None:
+            step.copied.synchronize()          # this step only, not one launched after it
+        host = [t.tolist() for t in step.host]   # tokens (B,), then log-probs: (B,), (B, k), (B, k)
+        # chapter: structured output (each grammar row's matcher follows its token)
+        self.runner.grammar_masks.follow(step.seqs, host[0] if host else [])
+        return zip(step.seqs, zip(*host))
 
     def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
         """One read-back token into its sequence, and the output reporting it; ends the sequence if
@@ -1041,7 +1016,6 @@ class EngineCore:
         add_logprobs(out, seq, logprobs)                 # chapter: log-probs and logit edits
         out.finish_reason = self._finish_reason(seq, token)
         if out.finish_reason is not None:
-            name_computed_blocks(self.scheduler, seq)   # chapter: prefix caching (before the free)
             self.scheduler.finish(seq, out.finish_reason)
             del self.seqs[seq.request_id]
         return out
@@ -1258,10 +1232,14 @@ class FrontEnd:
 
 class LLM:
     """Offline generation in vLLM's shape: LLM(model_dir).generate(prompts, SamplingParams(...))
-    -> [RequestState]. The engine core runs in this process: offline, nothing competes with it."""
+    -> [RequestState]. The engine core runs in this process: offline, nothing competes with it.
+    It runs engine_class, which the end of the file sets to the default engine; with part_one,
+    part one's EngineCore."""
+    engine_class = EngineCore
+
     def __init__(self, model=DEFAULT_MODEL, **settings):   # a folder, or a whole Config
         cfg = model if isinstance(model, Config) else Config(model=model, **settings)
-        self.engine = EngineCore(cfg)
+        self.engine = (EngineCore if cfg.part_one else self.engine_class)(cfg)
         self.front = FrontEnd(cfg, self.engine.allocator.num_blocks)
 
     def add(self, prompt_ids: list, params: SamplingParams, incremental=False) -> RequestState:
@@ -1310,20 +1288,19 @@ class LLM:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, in the server process, read in the order a request
-# takes. Its handler (OpenAIServer.completions or .chat) reads the body's fields and tokenizes in a
-# thread. The engine core runs in a process of its own, reached through an EngineCoreClient
-# (chapter: the engine core process). Its generate(choices) sends a request's choices there, and
-# yields a choice's RequestState each time it changes; closing it early aborts what still runs.
-# _respond hands those states to the endpoint's response shape (_Shape). The shape's chunks go out
-# as SSE events (_EventStream runs _Shape.stream, and turns a client that leaves into an abort),
-# or fold into one body (_Shape.body). The calls, in order: completions or chat -> _respond ->
-# shape.chunks(client.generate(choices)) -> shape.stream (through _EventStream) or shape.body.
-# A client that leaves: _EventStream cancels the writing -> generate's `finally` -> _abort ->
-# the engine core's abort_request -> Scheduler.finish frees the blocks. On a first read,
-# _EventStream's task handling and _fold can be taken by their docstrings. What a client sees
-# of a chat request with "stream": true, an SSE event a line (id, created, model and
-# "logprobs": null left out):
+# An OpenAI-compatible HTTP API on Starlette, read in the order a request takes. Two threads share
+# the server's process. The event loop runs the handlers: one (OpenAIServer.completions or .chat)
+# reads the body's fields and tokenizes, in a thread off the loop. The engine core steps in a
+# thread of its own, reached through the EngineCoreClient. Its generate(choices) sends a
+# request's choices there, and yields a choice's RequestState each time it changes; closing it
+# early aborts what still runs. _respond hands those states to the endpoint's response shape
+# (_Shape). The shape's chunks go out as server-sent events (SSE: a `data: ...` line each, through
+# Starlette's StreamingResponse) or fold into one body (_Shape.body). The calls, in order:
+# completions or chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream or
+# shape.body. A client that leaves: StreamingResponse cancels the stream (or body sees it gone)
+# -> generate's `finally` -> _abort -> the engine core's abort_request -> Scheduler.finish frees
+# the blocks. What a client sees of a chat request with "stream": true, an SSE event a line (id,
+# created, model and "logprobs": null left out):
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
 #            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
@@ -1337,20 +1314,63 @@ class LLM:
 
 # -- the engine core's client: choices out, their states back, on the event loop --
 class EngineCoreClient:
-    """The server's handle on the engine core, which runs in a process of its own (chapter: the
-    engine core process starts it, and carries the messages over two pipes). generate sends a
-    request's choices and yields their states as they change. _deliver, on the event loop, hands
-    each step's outputs to their requests' queues (a slow loop gets several steps' tokens at
-    once). It knows no HTTP: a failed request ends with finish_reason "error"."""
-    def __init__(self, cfg: Config, setup=None):
-        # chapter: the engine core process (its stats once loaded; a queue of what to send it)
-        self.stats, self.outgoing = start_engine_core(self, cfg, setup)
-        self.error = ""                                   # why the engine core is gone (faults)
-        self.front = FrontEnd(cfg, self.stats["kv_blocks_total"])  # the pool bounds a request
+    """The server's handle on the engine core, which steps in a thread of its own (_run). generate
+    sends a request's choices into `outgoing` and yields their states as they change. _deliver,
+    on the event loop, hands each step's outputs to their requests' queues (a slow loop gets
+    several steps' tokens at once). It knows no HTTP: a failed request ends with finish_reason
+    "error"."""
+    def __init__(self, cfg: Config):
+        self.outgoing = queue.SimpleQueue()  # to the engine core: lists of requests or aborts
+        self.error = ""                      # why the engine core is gone (an error ends it)
+        num_blocks = self.start_engine_core(cfg)
+        self.front = FrontEnd(cfg, num_blocks)      # the pool bounds a request
         self.metrics = ServerMetrics(self)        # chapter: the rest of the OpenAI API (/metrics)
 
+    def start_engine_core(self, cfg: Config) -> int:
+        """Build the engine core, here; return its pool's size in blocks."""
+        self.engine = EngineCore(cfg)
+        return self.engine.allocator.num_blocks
+
+    stats = property(lambda self: engine_stats(self.engine))   # chapter: the rest of the OpenAI API
+
+    def start(self, loop: asyncio.AbstractEventLoop):
+        """With the event loop (the app's lifespan): start stepping."""
+        self.thread = threading.Thread(target=self._run, args=(loop,), name="engine-core")
+        self.thread.start()
+
     def shutdown(self):
-        stop_engine_core(self)                      # chapter: the engine core process
+        self.outgoing.put(None)                  # after the requests queued before it
+        if getattr(self, "thread", None):
+            self.thread.join()
+
+    def _run(self, loop: asyncio.AbstractEventLoop):
+        """The engine core's thread: take what the server sent (block only when idle), step,
+        and hand the step's outputs to the event loop, until `None` comes (shutdown)."""
+        while True:
+            items = [] if self.engine.has_unfinished() else [self.outgoing.get()]
+            while not self.outgoing.empty():
+                items.append(self.outgoing.get())
+            if None in items:
+                return
+            for item in (item for message in items for item in message):   # in the order sent
+                if isinstance(item, EngineCoreAbort):
+                    self.engine.abort_request(item.request_id)
+                else:
+                    self.engine.add_request(item)
+            if self.engine.has_unfinished():
+                loop.call_soon_threadsafe(self._deliver, self._step())
+
+    def _step(self) -> list:
+        """One step's outputs. A step that raises ends every request in error, not the server."""
+        try:
+            return self.engine.step()
+        except Exception as e:
+            traceback.print_exc()
+            failed = list(self.engine.seqs)
+            for request_id in failed:
+                self.engine.abort_request(request_id)
+            return [EngineCoreOutput(request_id, None, finish_reason="error",
+                                     error=f"the engine failed: {e!r}") for request_id in failed]
 
     async def generate(self, requests: list):
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
@@ -1379,10 +1399,9 @@ class EngineCoreClient:
         if request_ids and not self.error:
             self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
 
-    def _deliver(self, messages: list):
+    def _deliver(self, outputs: list):
         """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
-        self.stats = messages[-1].stats
-        states, stopped = self.front.process([o for m in messages for o in m.outputs])
+        states, stopped = self.front.process(outputs)
         self._abort(stopped)
         now = time.perf_counter()                          # one clock reading for the whole batch
         for state in states:
@@ -1476,7 +1495,8 @@ class OpenAIServer:
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return _EventStream(functools.partial(shape.stream, chunks, include_usage))
+            return StreamingResponse(_server_sent_events(shape.stream(chunks, include_usage)),
+                                     headers=_SSE_HEADERS)
         body = await shape.body(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
@@ -1543,23 +1563,23 @@ class _Shape:
         """The chunk that carries the finish_reason."""
         return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
 
-    async def stream(self, chunks, include_usage: bool, write):
-        """OpenAI's stream: each event's data (a chunk's JSON, then `[DONE]`) goes to `write`.
-        An error after the first byte is an event too: the status line is gone."""
+    async def stream(self, chunks, include_usage: bool):
+        """OpenAI's stream: each event's data, a chunk's JSON, then `[DONE]`. An error after the
+        first byte is an event too: the status line is gone."""
         head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
                     if choice is not None:
-                        await write(f"{head}{_to_json(choice)}]}}")
+                        yield f"{head}{_to_json(choice)}]}}"
                 if include_usage:
-                    await write(_to_json(self.envelope(self.chunk_object, [], usage=True)))
+                    yield _to_json(self.envelope(self.chunk_object, [], usage=True))
             except Exception as e:            # an APIError as it is; a bug logged, in one line
                 if not isinstance(e, APIError):
                     traceback.print_exc()
                     e = APIError(500, f"internal error: {e!r}", "internal_error")
-                await write(_to_json(e.body))
-        await write("[DONE]")
+                yield _to_json(e.body)
+        yield "[DONE]"
 
     async def body(self, chunks, request: Request) -> Optional[dict]:
         """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
@@ -1609,34 +1629,16 @@ class _ChatShape(_Shape):
                 "logprobs": chat_logprobs(self, d),       # chapter: the rest of the OpenAI API
                 "finish_reason": d.finish_reason}
 
-@dataclass
-class _EventStream:
-    """A stream's ASGI response: `stream(write)` writes each event as it comes, one `send` each.
-    A task of its own listens for the client leaving, then cancels the writing: `stream` closing
-    its chunks runs their `finally` (the abort) now, not when the garbage collector gets to it."""
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
-    stream: functools.partial         # _Shape.stream, given its chunks: awaits write(data)
+# Server-sent events: a stream of `data: ...` lines, each event ended by a blank line. Starlette's
+# StreamingResponse sends each as it comes, and when the client leaves it cancels the stream:
+# the cancellation runs the `finally` of every generator on the way (client.generate's aborts).
+_SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+                "x-accel-buffering": "no"}             # nginx: unbuffered
 
-    async def __call__(self, scope, receive, send):
-        async def write(data: str):       # server-sent events' framing
-            body = f"data: {data}\n\n".encode()
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        async def listen():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            writer.cancel()
-        writer, listener = asyncio.current_task(), asyncio.create_task(listen())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            await self.stream(write)
-            await send({"type": "http.response.body", "body": b""})
-        except asyncio.CancelledError:
-            if listener.cancelled() or not listener.done():   # not the client: the server stops
-                raise
-            writer.uncancel()
-        finally:
-            listener.cancel()
+async def _server_sent_events(events):
+    async with contextlib.aclosing(events):
+        async for data in events:
+            yield f"data: {data}\n\n"
 
 def _fold(whole: dict, chunk: dict):
     """Fold a chunk into the whole, key by key. Strings and lists concatenate, objects fold alike,
@@ -1663,18 +1665,18 @@ def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        threading.Thread(target=receive_outputs, args=(client, asyncio.get_running_loop()),
-                         name="engine-core-outputs", daemon=True).start()   # chapter: the
-        # engine core process (the outputs' pipe, read off the loop, handed to _deliver)
+        client.start(asyncio.get_running_loop())   # the engine core's outputs come to this loop
         yield
 
     # chapter: the rest of the OpenAI API (error_response: every error in OpenAI's shape)
     return Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={
         kind: error_response for kind in (APIError, HTTPException, Exception)})
 
-def serve(cfg: Config):
+def serve(cfg: Config, client_class=EngineCoreClient):
+    """Serve the API until stopped. client_class: part one's EngineCoreClient, or the default
+    engine's (main, at the end of the file, says which)."""
     sock = socket.create_server((cfg.host, cfg.port))   # first: a port in use fails at once
-    client = EngineCoreClient(cfg)
+    client = client_class(cfg)
     try:   # SIGTERM drains (README), then uvicorn re-raises it: the engine core exits on EOF
         print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
               + (" (API key required)" if cfg.api_key else ""), flush=True)
@@ -1720,7 +1722,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 def run_generate(cfg: Config, prompt: str, params: SamplingParams):
-    llm = LLM(cfg)
+    llm = LLM(cfg)                     # part one's engine with --part-one, else the default one
     state = llm.add(llm.front.encode(prompt), params, incremental=True)
     for _ in llm.run():
         print(state.take_delta().text, end="", flush=True)
@@ -1733,20 +1735,6 @@ def ensure_default_model(model: str):
         import download
         download.download()
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        ensure_default_model(args.model)
-        cfg = from_flags(Config, args)
-        if args.command == "generate":
-            run_generate(cfg, args.prompt, from_flags(SamplingParams, args))
-        else:
-            serve(cfg)
-    except (ValueError, OSError) as e:        # bad input: one line, no traceback
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit(130)
-
 # ---------------------------------------------------------------------------
 # Chapter: async scheduling (the one-ahead overlap)
 # Part one's EngineCore.step runs schedule, launch, sample and read-back in turn. So the device
@@ -1754,12 +1742,14 @@ def main(argv=None):
 # With async_scheduling (the default), step launches step N+1 before it reads step N's tokens
 # back, and the host's work hides behind the device's.
 # Then a sequence's input in step N+1 is the token it sampled in step N, which is still only in
-# device memory: its pending token. The scheduler computes it like any other, since its count
-# adds num_pending_tokens. ModelRunner._flatten leaves a placeholder in its input row, and
-# put_pending_tokens fills it from step N's samples on the device. Once the prompt is computed,
+# device memory: its pending token. A sequence counts them (AsyncSequence.num_pending_tokens)
+# from the launch that samples one to the read-back that appends it. The scheduler computes a
+# pending token like any other, since its count adds them (AsyncScheduler). The runner's
+# _flatten leaves a placeholder in its input row, and put_pending_tokens fills it from step N's
+# samples on the device (AsyncRunner). Once the prompt is computed,
 # num_computed_tokens == len(token_ids) + num_pending_tokens - 1 between steps: every token but
 # the newest is launched.
-# One decoding sequence through one call of step_one_ahead, L = len(token_ids) before it:
+# One decoding sequence through one call of AsyncEngineCore.step, L = len(token_ids) before it:
 #
 #     moment in step                                 len(token_ids)  pending  computed
 #     before: step N launched and sampled                  L            1         L
@@ -1775,25 +1765,19 @@ def main(argv=None):
 # (ends_when_read): reading that token back ends it.
 # Sampling still comes after the read-back. So whatever reads the tokens so far to sample (a
 # penalty, a grammar) sees all of them, and the host's work hides behind step N+1's forward pass.
-# Seams: Config.async_scheduling, Scheduler.schedule (num_pending_tokens in a sequence's count)
-# and _runs_this_step (ends_when_read), ModelRunner._flatten (the placeholder) and prepare
-# (put_pending_tokens), EngineCore.step (step_one_ahead) and its `launched`.
+# Extends: Sequence (num_pending_tokens), Scheduler (the count, and ends_when_read), ModelRunner
+# (_flatten's placeholder, the input ids), EngineCore (step, _launch, _commit).
 
-def step_one_ahead(core: EngineCore):
-    """EngineCore.step with the overlap: launch the next step, read back the previous call's (into
-    core.committed; nothing on the first call), then sample the new one."""
-    prev = core.launched
-    # chapter: speculative decoding (False but after drafts, on the CPU or tensor-parallel)
-    if prev is not None and core.scheduler.speculation.reads_back_first(prev):
-        core._commit(prev)
-        prev = None
-    try:
-        core.launched = core._launch(prev)     # step N+1, before step N is read back
-    finally:                    # even if the launch raises: fail_running passes step N's
-        if prev is not None:    # outputs on, as it does when sample raises below
-            core._commit(prev)
-    if core.launched is not None:
-        core.runner.sample(core.launched)
+class AsyncSequence(Sequence):
+    num_pending_tokens = 0   # tokens sampled on the device, not yet read back (the table above)
+
+class AsyncScheduler(Scheduler):
+    def _num_tokens_to_compute(self, seq: Sequence) -> int:
+        return super()._num_tokens_to_compute(seq) + seq.num_pending_tokens
+
+    def _runs_this_step(self, seq: Sequence) -> bool:
+        """Not one whose pending token is its last by length (ends_when_read)."""
+        return super()._runs_this_step(seq) and not ends_when_read(seq, self.cfg.max_model_len)
 
 def ends_when_read(seq: Sequence, max_model_len: int) -> bool:
     """True if seq's pending token is its last by length: no later step is worth launching."""
@@ -1801,6 +1785,50 @@ def ends_when_read(seq: Sequence, max_model_len: int) -> bool:
     return seq.num_pending_tokens > 0 and (
         num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
         or num_tokens >= max_model_len)
+
+class AsyncRunner(ModelRunner):
+    """launch(batch, prev): prev is the step still on the device, whose samples are some of this
+    step's inputs (None: none are)."""
+    prev, pending = None, []     # the step before, and this step's (row, seq) of pending inputs
+
+    def launch(self, batch: ScheduledBatch, prev: Optional[LaunchedStep] = None) -> LaunchedStep:
+        self.prev = prev
+        try:
+            return super().launch(batch)
+        finally:
+            self.prev = None     # no reference kept: its tensors free with it
+
+    def _flatten(self, batch: ScheduledBatch):
+        """Part one's _flatten, and the rows whose input is a pending token (self.pending): a
+        placeholder there, and the row samples."""
+        bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
+                                             context_lens=[], cu_seqlens_q=[0])
+        input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = flat.values()
+        samples, pending, tables = [], [], []   # samples and pending: (row, seq)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            last_row = cu_seqlens_q[-1] + n - 1
+            input_ids += seq.token_ids[start:end]
+            if end > len(seq.token_ids):       # a pending token
+                input_ids.append(0)                # a placeholder, filled on the device
+                pending.append((last_row, seq))
+            table = seq.block_table
+            tables.append(table + [0] * (width - len(table)))   # the row's blocks, then 0s
+            positions += range(start, end)
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            context_lens.append(end)
+            cu_seqlens_q.append(last_row + 1)
+            if end >= len(seq.token_ids):   # its last input is its newest token: it samples
+                samples.append((last_row, seq))
+        flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
+        self.pending = pending
+        return flat, samples
+
+    def _put_input_ids(self, batch: ScheduledBatch, input_ids: list):
+        if not self.pending:
+            return super()._put_input_ids(batch, input_ids)
+        put_pending_tokens(self, batch, input_ids, self.pending, self.prev)
 
 def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: list,
                        pending: list, prev: LaunchedStep):
@@ -1817,95 +1845,142 @@ def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: li
     ids.index_copy_(0, pa.to_device(runner.device, rows, torch.int64),
                     prev.tokens[pa.to_device(runner.device, src, torch.int64)])
 
+class AsyncEngineCore(EngineCore):
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.launched: Optional[LaunchedStep] = None   # the step on the device between calls
+
+    def step(self) -> list:
+        """EngineCore.step with the overlap: launch the next step, read back the previous call's (into
+        self.committed; nothing on the first call), then sample the new one. With
+        --no-async-scheduling, part one's step."""
+        if not self.cfg.async_scheduling:
+            return super().step()
+        self.committed = []
+        prev = self._step_before()
+        try:
+            self.launched = self._launch(prev)     # step N+1, before step N is read back
+        finally:                    # even if the launch raises: fail_running passes step N's
+            if prev is not None:    # outputs on, as it does when sample raises below
+                self._commit(prev)
+        if self.launched is not None:
+            self.runner.sample(self.launched)
+        outputs, self.committed = self.committed, []
+        return outputs
+
+    def _step_before(self) -> Optional[LaunchedStep]:
+        """The step still on the device, whose samples the next step takes as inputs."""
+        return self.launched
+
+    def _launch(self, prev: Optional[LaunchedStep] = None) -> Optional[LaunchedStep]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return None
+        step = self.runner.launch(batch, prev)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n        # their K/V are on the way into the cache
+        for seq in step.seqs:                   # one per row it samples
+            seq.num_pending_tokens += 1         # until _commit reads it back
+        return step
+
+    def _commit(self, step: LaunchedStep):
+        for seq, row in self._read_back(step):
+            seq.num_pending_tokens -= 1         # read back: no longer pending
+            if not seq.is_finished:             # else aborted, or ended by the step before
+                self.committed.append(self._append_token(seq, *row))
+
 # ---------------------------------------------------------------------------
 # Chapter: CUDA graphs
-# Graphs are captured on CUDA with the Triton attention, unless --enforce-eager. Then every step
-# replays one. Elsewhere, and in the memory profile's step before the capture, steps run eagerly.
-# No step outgrows the captured sizes: the largest are max_num_seqs and max_num_batched_tokens,
-# which bound every step. A graph holds every kernel launch of one forward pass, recorded once
-# (capture) and replayed in one launch, where 200 launches from Python would leave the GPU idle.
-# A replay reads and writes the addresses it recorded: the static buffers, and one memory pool
-# that every graph's activations share. A decode step's size is its batch size, a prompt step's
-# its token count. A step pads its batch to the next captured size (pa.cuda_graph_sizes,
-# pa.graph_key); pad_for_graph says why the padding is harmless. In prepare's worked step, 41
-# tokens with a prompt among them replay the 48-token graph: pad_for_graph adds seven -1 slots,
-# 46 context_lens of 0 and 46 cu_seqlens_q of 41. The host's block_tables keep their width of 5;
-# the kernels see the graph's full width.
-# Also here, since it measures what the graphs' pool holds: the activations' peak memory, which
-# sizes the KV pool on the GPU (profile_peak_bytes).
-# Seams: ModelRunner.__init__ (capture_cuda_graphs), allocate_kv_cache (profile_peak_bytes),
-# prepare (pad_for_graph), launch (the replay); the tensor-parallel workers replay rank 0's.
+# A graph holds every kernel launch of one forward pass, recorded once (capture) and replayed in
+# one launch, where 200 launches from Python would leave the GPU idle. Graphs are captured on
+# CUDA with the Triton attention, unless --enforce-eager. Then every step replays one; elsewhere
+# steps run eagerly, as in part one.
+# A replay reads and writes the addresses it recorded: the runner's static buffers, the KV pool,
+# and one memory pool that every graph's activations share. A decode step's size is its batch
+# size, a prompt step's its token count. A step pads its batch to the next captured size
+# (pa.cuda_graph_sizes, pa.graph_key); _pad says why the padding is harmless. No step outgrows
+# the captured sizes: the largest are max_num_seqs and max_num_batched_tokens, which bound every
+# step. In prepare's worked step, 41 tokens with a prompt among them replay the 48-token graph:
+# _pad adds seven -1 slots, 46 context_lens of 0 and 46 cu_seqlens_q of 41. The host's
+# block_tables keep their width of 5; the kernels see the graph's full width.
+# Extends: ModelRunner (allocate_kv_cache captures once the pool is bound; put_step pads;
+# forward replays). The tensor-parallel workers replay rank 0's.
 
-def pad_for_graph(runner: ModelRunner, flat: dict, key: Optional[tuple], num_tokens: int,
-                  num_seqs: int) -> tuple:
-    """Pad flat to graph key's N rows and S sequences; return them and the block-table width the
-    kernels see. The contract: each padded value, and why it is harmless:
-      slot_mapping  -1 for rows past the real tokens: rope_store writes no slot
-      context_lens  0 for sequences past the real ones: attention reads no key
-      cu_seqlens_q  the real token count for them: they own no query rows
-      block_tables  the graph's full width; ids past a row's own blocks are stale
-                    and never read (the kernels stop at its context_len)
-      input_ids, positions   stale in padding rows: computed, never stored, and
-                    their outputs are dropped (hidden[:num_tokens] in launch)"""
-    N = key[1]
-    S = N if key[0] else min(N, runner.cfg.max_num_seqs)   # decode: one sequence per row
-    flat["slot_mapping"] += [-1] * (N - num_tokens)
-    flat["context_lens"] += [0] * (S - num_seqs)
-    flat["cu_seqlens_q"] += [num_tokens] * (S - num_seqs)
-    return N, S, runner.max_blocks_per_seq
+class CUDAGraphRunner(ModelRunner):
+    def __init__(self, cfg: Config):
+        self.graphs: dict[tuple, tuple] = {}       # (is_decode, size) -> (CUDAGraph, its output)
+        self.graph_sizes = {True: [], False: []}   # the captured sizes of each kind
+        super().__init__(cfg)
 
-@torch.no_grad()
-def capture_cuda_graphs(runner: ModelRunner):
-    """Capture a graph of each size, where graphs run: on CUDA with the Triton attention (the torch
-    attention reads lengths on the host, which no graph captures), unless --enforce-eager."""
-    cfg = runner.cfg
-    if not runner.use_cuda or cfg.enforce_eager or cfg.attention != "triton":
-        return
-    runner.graph_sizes = pa.cuda_graph_sizes(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-    keys = sorted(((kind, n) for kind in (True, False) for n in runner.graph_sizes[kind]),
-                  key=lambda key: -key[1])   # largest first: the others reuse its memory
-    pool = None                            # one memory pool, shared by every graph
-    for key in keys:
-        # A step of no tokens, all padding (pad_for_graph): the captures write and read nothing.
-        flat = dict(slot_mapping=[], context_lens=[], cu_seqlens_q=[0])
-        args = runner.put_step(flat, key, *pad_for_graph(runner, flat, key, 0, 0), key[0])
-        runner.model(*args)                 # warm-up: compiles this size's kernels
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = runner.model(*args)
-        pool = graph.pool()
-        runner.graphs[key] = (graph, hidden)
-        _progress(f"captured CUDA graphs {len(runner.graphs)}/{len(keys)}")
-    _progress(f"captured {len(keys)} CUDA graphs", end=True)
-    torch.cuda.empty_cache()               # the warm-ups' memory: graphs use their pool
+    def allocate_kv_cache(self) -> int:
+        num_blocks = super().allocate_kv_cache()
+        self.capture_cuda_graphs()                 # the pool's addresses are fixed now
+        return num_blocks
 
-@torch.no_grad()
-def profile_peak_bytes(runner: ModelRunner) -> int:
-    """The peak of memory allocated (the weights, the buffers and the largest step's
-    activations), measured by running that step once on a dummy batch of
-    max_num_batched_tokens tokens, plus room for the sampler's sort. The graphs' shared pool
-    later holds the same activations, no more."""
-    cfg, n, L = runner.cfg, runner.cfg.max_num_batched_tokens, runner.cfg.max_model_len
-    seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
-    blocks = iter(range(n // cfg.block_size + len(seqs)))     # enough for every sequence
-    for seq in seqs:
-        seq.block_table = [next(blocks) for _ in range(-(-seq.num_tokens // cfg.block_size))]
-    runner._bind_kv_cache(n // cfg.block_size + len(seqs))
-    torch.cuda.reset_peak_memory_stats(runner.device)
-    runner.sample(runner.launch(ScheduledBatch(seqs, [seq.num_tokens for seq in seqs])))
-    torch.cuda.synchronize(runner.device)
-    # the sampler's peak grows with the batch: allow a full-vocab sort per row
-    sampler_bytes = 4 * cfg.max_num_seqs * cfg.vocab_size * 4
-    peak = torch.cuda.max_memory_allocated(runner.device) + sampler_bytes
-    runner._bind_kv_cache(0)
-    torch.cuda.empty_cache()
-    return peak
+    def put_step(self, flat: dict, N: int, S: int, width: int, is_decode: bool) -> tuple:
+        key = pa.graph_key(self.graph_sizes, is_decode, N)   # None: no graph; runs eagerly
+        if key is not None:
+            N, S, width = self._pad(flat, key, N, S)
+        return super().put_step(flat, N, S, width, is_decode)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata):
+        graph = self.graphs.get((meta.is_decode, input_ids.shape[0]))   # padded to its size
+        if graph is None:
+            return super().forward(input_ids, positions, meta)
+        graph[0].replay()                   # every kernel of the forward pass, one launch
+        return graph[1]
+
+    def _pad(self, flat: dict, key: tuple, num_tokens: int, num_seqs: int) -> tuple:
+        """Pad flat to graph key's N rows and S sequences; return them and the block-table width
+        the kernels see. The contract: each padded value, and why it is harmless:
+          slot_mapping  -1 for rows past the real tokens: rope_store writes no slot
+          context_lens  0 for sequences past the real ones: attention reads no key
+          cu_seqlens_q  the real token count for them: they own no query rows
+          block_tables  the graph's full width; ids past a row's own blocks are stale
+                        and never read (the kernels stop at its context_len)
+          input_ids, positions   stale in padding rows: computed, never stored, and
+                        their outputs are dropped (hidden[:num_tokens] in launch)"""
+        N = key[1]
+        S = N if key[0] else min(N, self.cfg.max_num_seqs)   # decode: one sequence per row
+        flat["slot_mapping"] += [-1] * (N - num_tokens)
+        flat["context_lens"] += [0] * (S - num_seqs)
+        flat["cu_seqlens_q"] += [num_tokens] * (S - num_seqs)
+        return N, S, self.max_blocks_per_seq
+
+    @torch.no_grad()
+    def capture_cuda_graphs(self):
+        """Capture a graph of each size, where graphs run: on CUDA with the Triton attention (the
+        torch attention reads lengths on the host, which no graph captures), unless
+        --enforce-eager. The profile step that sized the pool ran eagerly before: the graphs'
+        shared pool holds the same activations, no more."""
+        cfg = self.cfg
+        if not self.use_cuda or cfg.enforce_eager or cfg.attention != "triton":
+            return
+        sizes = pa.cuda_graph_sizes(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        keys = sorted(((kind, n) for kind in (True, False) for n in sizes[kind]),
+                      key=lambda key: -key[1])   # largest first: the others reuse its memory
+        pool = None                            # one memory pool, shared by every graph
+        for key in keys:
+            # A step of no tokens, all padding (_pad): the captures write and read nothing.
+            flat = dict(slot_mapping=[], context_lens=[], cu_seqlens_q=[0])
+            args = ModelRunner.put_step(self, flat, *self._pad(flat, key, 0, 0), key[0])
+            self.model(*args)                   # warm-up: compiles this size's kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(*args)
+            pool = graph.pool()
+            self.graphs[key] = (graph, hidden)
+            _progress(f"captured CUDA graphs {len(self.graphs)}/{len(keys)}")
+        self.graph_sizes = sizes               # from here on, steps replay them
+        _progress(f"captured {len(keys)} CUDA graphs", end=True)
+        torch.cuda.empty_cache()               # the warm-ups' memory: graphs use their pool
 
 # ---------------------------------------------------------------------------
 # Chapter: the engine core process
-# Behind the server, the engine core runs in the main thread of a process of its own. So no
-# per-request Python work (JSON, SSE, detokenizing) competes with its step loop for the GIL.
-# LLM.generate needs none of this: its engine core runs in the caller's thread. Who runs where:
+# Part one's server steps the engine core in a thread of the server's process. Here, the default,
+# it runs in the main thread of a process of its own. So no per-request Python work (JSON, SSE,
+# detokenizing) competes with its step loop for the GIL. LLM.generate needs none of this: its
+# engine core runs in the caller's thread. Who runs where:
 #
 #     process      thread                  runs
 #     server       main (the event loop)   the handlers and response shapes (Server), and
@@ -1918,8 +1993,8 @@ def profile_peak_bytes(runner: ModelRunner) -> int:
 # Two pipes join the processes. Into the engine core go lists of EngineCoreRequest and
 # EngineCoreAbort. Out of it come its stats once it is ready (or why it failed), then one
 # EngineCoreOutputs per turn of its loop. Closing the inbox stops it.
-# Seams: EngineCoreClient.__init__ and shutdown (start_engine_core, stop_engine_core), build_app
-# (receive_outputs, the receiving thread).
+# Extends: EngineCoreClient (start_engine_core spawns the process; start, with the event loop,
+# the thread that receives its outputs; shutdown).
 
 @dataclass
 class EngineCoreOutputs:
@@ -1934,7 +2009,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     follow_parent(outbox)          # chapter: faults (Ctrl-C is the server's; its death ends us)
     faulthandler.enable()                          # a crash in native code leaves a trace
     try:
-        core = EngineCore(cfg)
+        core = DefaultEngineCore(cfg)
         exit_on_worker_death(core.runner.workers)       # chapter: tensor parallelism
         if setup is not None:
             setup(core)
@@ -1974,10 +2049,36 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         exit_on_failed_step(core.runner.workers, sender)      # chapter: tensor parallelism
 
 # -- the server's end of the pipes: start, send, receive, stop --
-def start_engine_core(client: EngineCoreClient, cfg: Config, setup=None) -> tuple:
+class EngineCoreProcessClient(EngineCoreClient):
+    """Part one's client, with the engine core in a process of its own. Its requests and aborts
+    go from `outgoing` into the inbox pipe (_send_all), and its outputs come back with its stats
+    (receive_outputs). setup(core), if given, runs in that process first (tests inject faults)."""
+    stats = None                           # engine_stats, as the engine core last sent them
+
+    def __init__(self, cfg: Config, setup=None):
+        self.setup = setup
+        super().__init__(cfg)
+
+    def start_engine_core(self, cfg: Config) -> int:
+        self.stats = start_engine_core(self, cfg, self.setup)
+        return self.stats["kv_blocks_total"]
+
+    def start(self, loop: asyncio.AbstractEventLoop):
+        threading.Thread(target=receive_outputs, args=(self, loop), name="engine-core-outputs",
+                         daemon=True).start()
+
+    def shutdown(self):
+        stop_engine_core(self)
+
+    def _deliver_messages(self, messages: list):
+        """On the event loop: what receive_outputs brought, one or more EngineCoreOutputs."""
+        self.stats = messages[-1].stats
+        self._deliver([o for m in messages for o in m.outputs])
+
+def start_engine_core(client: EngineCoreClient, cfg: Config, setup=None) -> dict:
     """Spawn the engine core process with its two pipes (client.process, client.inbox,
-    client.outbox) and wait until it has loaded. Returns its first stats, and the queue that
-    _send_all empties into the inbox on a thread of its own."""
+    client.outbox) and wait until it has loaded. Returns its first stats, and starts the thread
+    that empties client.outgoing into the inbox (_send_all)."""
     ctx = multiprocessing.get_context("spawn")   # CUDA cannot be forked
     inbox_end, client.inbox = ctx.Pipe(duplex=False)     # server -> engine core
     client.outbox, outbox_end = ctx.Pipe(duplex=False)   # engine core -> server
@@ -1995,10 +2096,9 @@ def start_engine_core(client: EngineCoreClient, cfg: Config, setup=None) -> tupl
             ready = f"the engine core exited with code {client.process.exitcode}"
     if isinstance(ready, str):
         raise ValueError(ready)
-    outgoing = queue.SimpleQueue()   # to _send_all: lists of requests or aborts, or None
-    threading.Thread(target=_send_all, args=(client.inbox, outgoing), name="engine-core-inputs",
-                     daemon=True).start()
-    return ready.stats, outgoing
+    threading.Thread(target=_send_all, args=(client.inbox, client.outgoing),
+                     name="engine-core-inputs", daemon=True).start()
+    return ready.stats
 
 def stop_engine_core(client: EngineCoreClient):
     client.outgoing.put(None)              # after the sends queued before: EOF over there
@@ -2029,7 +2129,7 @@ def receive_outputs(client: EngineCoreClient, loop: asyncio.AbstractEventLoop):
                 messages = [client.outbox.recv()]
                 while client.outbox.poll():
                     messages.append(client.outbox.recv())
-                loop.call_soon_threadsafe(client._deliver, messages)
+                loop.call_soon_threadsafe(client._deliver_messages, messages)
         except (EOFError, OSError):
             loop.call_soon_threadsafe(engine_died, client)   # chapter: faults
 
@@ -2075,11 +2175,61 @@ def _truncate_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars
 # Many prompts begin alike: a system prompt, a chat's earlier turns, a few-shot preamble. The K/V
 # of a token depend only on it and the tokens before it. So a full block is named by a hash of
 # its whole prefix (prefix_hash), and a sequence admitted later points its block table at the
-# named blocks of its longest cached prefix. It computes only the rest. The names live in the
-# BlockAllocator: a named block that no one uses stays findable until the pool needs it.
-# Seams: Sequence (block_hashes, num_named_blocks), Scheduler.schedule (reuse_cached_prefix and
-# count_prefix_hits, when a sequence is admitted), EngineCore._commit and _append_token
-# (name_computed_blocks), and the Scheduler's counts for engine_stats.
+# named blocks of its longest cached prefix. It computes only the rest, and those blocks are
+# shared: their reference counts go above 1.
+# The names live in the allocator. A named block that no one uses is evictable: it stays
+# findable until the pool needs it, and the least recently used goes first. A finished
+# sequence's blocks are freed tail first (Scheduler._free_blocks), so a prefix's head, which
+# more prompts share, outlives its tail.
+# Extends: BlockAllocator (names, evictable blocks), Sequence (its blocks' hashes), Scheduler
+# (_admit reuses a prefix; finish names the blocks before they are freed), EngineCore (_commit
+# names the blocks each step fills).
+
+class PrefixCachingAllocator(BlockAllocator):
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
+        self.block_hashes: list[Optional[int]] = [None] * num_blocks  # a full block's prefix hash
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but named; LRU first
+        self.cached_blocks: dict[int, int] = {}          # prefix hash -> block id
+
+    num_free_blocks = property(lambda self: len(self.free_block_ids) + len(self.evictable))
+
+    def allocate(self) -> int:
+        if not self.free_block_ids:   # evict the least recently used named block
+            block, _ = self.evictable.popitem(last=False)  # the oldest first
+            del self.cached_blocks[self.block_hashes[block]]
+            self.block_hashes[block] = None
+            self.free_block_ids.append(block)
+        return super().allocate()
+
+    def free(self, block: int):
+        if self.block_hashes[block] is None:
+            return super().free(block)
+        assert self.ref_counts[block] > 0, f"block {block} freed twice"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.evictable[block] = None             # most recently used goes last
+
+    def lookup(self, prefix_hash: int) -> Optional[int]:
+        return self.cached_blocks.get(prefix_hash)
+
+    def share(self, block: int):
+        """Take one more reference to a named block (revive it if evictable)."""
+        if self.ref_counts[block] == 0:
+            del self.evictable[block]
+        self.ref_counts[block] += 1
+
+    def cache(self, block: int, prefix_hash: int):
+        """Name a full block by its prefix hash; the first block with a name keeps it."""
+        if self.block_hashes[block] is None and prefix_hash not in self.cached_blocks:
+            self.block_hashes[block] = prefix_hash
+            self.cached_blocks[prefix_hash] = block
+
+class PrefixCachingSequence(Sequence):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.block_hashes = []       # the hash of each full block of token_ids, in order
+        self.num_named_blocks = 0    # block_table's first blocks, named in the allocator
 
 def prefix_hash(parent: Optional[int], token_ids) -> int:
     """Name a full block by its tokens and, through the parent's hash (None for the first block),
@@ -2091,46 +2241,69 @@ def _hash_full_blocks(seq: Sequence, bs: int):
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         seq.block_hashes.append(prefix_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
 
-def reuse_cached_prefix(scheduler: Scheduler, seq: Sequence):
-    """Point seq at the cached blocks of its longest cached prefix; they are named already."""
-    seq.num_named_blocks = 0
-    if not scheduler.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-        return        # chapter: log-probs and logit edits (prompt log-probs need every row)
-    bs, allocator = scheduler.block_size, scheduler.allocator
-    _hash_full_blocks(seq, bs)
-    # Leave the last token out: computed for its logits, its K/V must never enter a shared block
-    for h in seq.block_hashes[:(seq.num_tokens - 1) // bs]:
-        block = allocator.lookup(h)
-        if block is None:
-            break
-        allocator.share(block)
-        seq.block_table.append(block)
-    seq.num_named_blocks = len(seq.block_table)
-    seq.num_computed_tokens = seq.num_named_blocks * bs
+class PrefixCachingScheduler(Scheduler):
+    def __init__(self, cfg: Config, allocator: BlockAllocator):
+        super().__init__(cfg, allocator)
+        self.num_cached_tokens = self.num_prompt_tokens = 0   # admitted, and of those cached
 
-def count_prefix_hits(scheduler: Scheduler, seq: Sequence):
-    """Once seq is admitted: its prompt and cached tokens into the counts of /metrics."""
-    scheduler.num_cached_tokens += seq.num_computed_tokens
-    scheduler.num_prompt_tokens += seq.num_tokens
-    # no output yet: a recompute keeps its first count (a prompt preempted mid-prefill then
-    # counts its own named blocks as hits)
-    if seq.num_tokens == seq.num_prompt_tokens:
-        seq.num_cached_tokens = seq.num_computed_tokens
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Part one's admission, after pointing seq at the cached blocks of its prefix."""
+        self.reuse_cached_prefix(seq)
+        n = super()._admit(seq, budget)
+        if n == 0:
+            self._free_blocks(seq)         # give back the shared prefix; retry later
+            return 0
+        self.num_cached_tokens += seq.num_computed_tokens   # its cached tokens: none launched yet
+        self.num_prompt_tokens += seq.num_tokens
+        # no output yet: a recompute keeps its first count (a prompt preempted mid-prefill then
+        # counts its own named blocks as hits)
+        if seq.num_tokens == seq.num_prompt_tokens:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return n
 
-def name_computed_blocks(scheduler: Scheduler, seq: Sequence):
-    """After a step is read back, name the blocks just filled. One may still be being written by
-    the step launched after it (num_computed_tokens counts launched ones), which is safe: a step
-    reading it via a prefix-cache hit is launched later on the same CUDA stream, so runs after
-    the write. Only read-back tokens are hashed (the pending one is not in token_ids)."""
-    bs = scheduler.block_size
-    if not scheduler.cfg.enable_prefix_caching or seq.num_computed_tokens // bs <= \
-            seq.num_named_blocks:
-        return                          # no block filled since the last call: most steps
-    _hash_full_blocks(seq, bs)
-    num_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
-    for i in range(seq.num_named_blocks, num_full):   # only the newly full ones
-        scheduler.allocator.cache(seq.block_table[i], seq.block_hashes[i])
-    seq.num_named_blocks = max(seq.num_named_blocks, num_full)
+    def reuse_cached_prefix(self, seq: Sequence):
+        """Point seq at the cached blocks of its longest cached prefix; they are named already."""
+        seq.num_named_blocks = 0
+        if not self.cfg.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return        # chapter: log-probs and logit edits (prompt log-probs need every row)
+        bs, allocator = self.block_size, self.allocator
+        _hash_full_blocks(seq, bs)
+        # Leave the last token out: computed for its logits, its K/V must never enter a shared block
+        for h in seq.block_hashes[:(seq.num_tokens - 1) // bs]:
+            block = allocator.lookup(h)
+            if block is None:
+                break
+            allocator.share(block)
+            seq.block_table.append(block)
+        seq.num_named_blocks = len(seq.block_table)
+        seq.num_computed_tokens = seq.num_named_blocks * bs
+
+    def name_computed_blocks(self, seq: Sequence):
+        """After a step is read back, name the blocks just filled. One may still be being written by
+        a step launched after it (num_computed_tokens counts launched ones), which is safe: a step
+        reading it via a prefix-cache hit is launched later on the same CUDA stream, so runs after
+        the write. Only read-back tokens are hashed (a pending one is not in token_ids)."""
+        bs = self.block_size
+        if not self.cfg.enable_prefix_caching or seq.num_computed_tokens // bs <= \
+                seq.num_named_blocks:
+            return                          # no block filled since the last call: most steps
+        _hash_full_blocks(seq, bs)
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
+        for i in range(seq.num_named_blocks, num_full):   # only the newly full ones
+            self.allocator.cache(seq.block_table[i], seq.block_hashes[i])
+        seq.num_named_blocks = max(seq.num_named_blocks, num_full)
+
+    def finish(self, seq: Sequence, reason: str):
+        if reason != "abort":
+            self.name_computed_blocks(seq)    # before the free: a named block stays findable
+        super().finish(seq, reason)
+
+class PrefixCachingEngineCore(EngineCore):
+    def _commit(self, step: LaunchedStep):
+        super()._commit(step)
+        for seq in step.batch.seqs:
+            if not seq.is_finished:              # (a finished one named its blocks at the end)
+                self.scheduler.name_computed_blocks(seq)
 
 # ---------------------------------------------------------------------------
 # Chapter: the burst rule
@@ -2138,20 +2311,34 @@ def name_computed_blocks(scheduler: Scheduler, seq: Sequence):
 # DECODES_EVERY-th step. A decode costs about as much in a full prompt step as alone, since its
 # K/V is read either way. So its cost is paid in one step of those, prompts get the rest sooner,
 # and streams still move (README, Speed).
-# Seams: Scheduler.DECODES_EVERY, and Scheduler.schedule (decodes_wait_at_burst), whose answer
-# _runs_this_step reads.
+# Extends: Scheduler (schedule decides whether decodes wait this step; _runs_this_step holds
+# them back).
 
-def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
-    """True if decodes sit this step out for prompts, while prompts can take their place. That
-    needs a free seat, prompts enough to fill a step, and room in the pool for two full steps of
-    prompt tokens. With less room, admission would soon stop on blocks, and the decodes would
-    wait for nothing."""
-    if scheduler.num_steps % scheduler.DECODES_EVERY == 0:
-        return False                          # this step, decodes ride along
-    seat_free = len(scheduler.running) < scheduler.cfg.max_num_seqs
-    room = scheduler.allocator.num_free_blocks * scheduler.block_size >= 2 * budget
-    fills_step = sum(seq.num_tokens for seq in scheduler.waiting) >= budget
-    return seat_free and room and fills_step
+class BurstRuleScheduler(Scheduler):
+    DECODES_EVERY = 4     # at a burst, decodes ride along every 4th step
+    decodes_wait = False  # this step's answer of decodes_wait_at_burst
+
+    def schedule(self) -> ScheduledBatch:
+        self.decodes_wait = self.decodes_wait_at_burst(self.cfg.max_num_batched_tokens)
+        return super().schedule()
+
+    def _runs_this_step(self, seq: Sequence) -> bool:
+        """Not one past its prompt (a decode, or a preempted one recomputing its output) while
+        decodes wait."""
+        held_back = self.decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens
+        return super()._runs_this_step(seq) and not held_back
+
+    def decodes_wait_at_burst(self, budget: int) -> bool:
+        """True if decodes sit this step out for prompts, while prompts can take their place. That
+        needs a free seat, prompts enough to fill a step, and room in the pool for two full steps
+        of prompt tokens. With less room, admission would soon stop on blocks, and the decodes
+        would wait for nothing."""
+        if (self.num_steps + 1) % self.DECODES_EVERY == 0:   # + 1: schedule counts this step
+            return False                          # this step, decodes ride along
+        seat_free = len(self.running) < self.cfg.max_num_seqs
+        room = self.allocator.num_free_blocks * self.block_size >= 2 * budget
+        fills_step = sum(seq.num_tokens for seq in self.waiting) >= budget
+        return seat_free and room and fills_step
 
 # ---------------------------------------------------------------------------
 # Chapter: speculative decoding
@@ -2193,12 +2380,31 @@ def decodes_wait_at_burst(scheduler: Scheduler, budget: int) -> bool:
 #   back by the count rejected. When step N is read back, accept rewinds the host to match.
 # On the CPU the host runs the forward pass itself, so there is nothing to hide. There a step
 # after one that drafted reads it back first, and drafts on no guess.
-# Seams: Config._check (k <= 15: a row's 1 + k rows fit the 16-wide tile of
-# pa.follow_accepted and follow_accepted_drafts' 16 columns), Sequence (ngrams,
-# guessed), ScheduledBatch.draft_token_ids, Scheduler.__init__ and schedule (add_drafts),
-# ModelRunner._flatten (the drafts follow a row's newest token, and each row samples), prepare
-# (follow_accepted_drafts), step_one_ahead (reads_back_first: on the CPU, or with tensor
-# parallelism), EngineCore._commit (kept_rows), engine_stats.
+# Extends: Sequence (its n-gram index and guess), Scheduler (schedule adds the drafts),
+# ModelRunner (_flatten lays out the drafts; prepare follows the accepted ones), EngineCore
+# (_read_back keeps the accepted rows; _step_before reads a drafting step back first where rows
+# do not follow it on the device). Config._check holds k <= 15: a row's 1 + k rows fit the
+# 16-wide tile of pa.follow_accepted and follow_accepted_drafts' 16 columns.
+
+class SpeculativeSequence(Sequence):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.ngrams = NgramIndex()   # where each n-gram of token_ids occurred last
+        self.guessed = (0, [])       # (len(token_ids), the pending tokens guessed) at the last draft
+
+class SpeculativeScheduler(Scheduler):
+    def __init__(self, cfg: Config, allocator: BlockAllocator):
+        super().__init__(cfg, allocator)
+        self.speculation = Speculation(cfg, self)
+
+    def schedule(self) -> ScheduledBatch:
+        """Part one's batch, then drafts from what is left of the budget (add_drafts). A batch
+        carries them in draft_token_ids: seq -> its drafts."""
+        batch = super().schedule()
+        batch.draft_token_ids = {}
+        self.speculation.add_drafts(batch, self.cfg.max_num_batched_tokens
+                                    - sum(batch.num_new_tokens))
+        return batch
 
 class NgramIndex:
     """A sequence's drafts (this chapter's opening tells the mechanism).
@@ -2291,7 +2497,7 @@ class Speculation:
         return kept + last if last else None
 
     def reads_back_first(self, prev: LaunchedStep) -> bool:
-        """Whether step_one_ahead reads prev back before it launches the next step: after a
+        """Whether AsyncEngineCore.step reads prev back before it launches the next step: after a
         step that drafted, where rows do not follow it on the device (follows_on_device)."""
         return not self.follows_on_device and bool(prev.batch.draft_token_ids)
 
@@ -2329,6 +2535,9 @@ class Speculation:
             del seq.block_table[num_blocks:]
         return sampled[:num_kept + 1]
 
+    empty_stats = dict(spec_decode_num_draft_tokens_total=0,
+                       spec_decode_num_accepted_tokens_total=0)
+
     def stats(self) -> dict:
         return dict(spec_decode_num_draft_tokens_total=self.num_draft_tokens,
                     spec_decode_num_accepted_tokens_total=self.num_accepted_tokens)
@@ -2352,6 +2561,62 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
                        pa.to_device(dev, drafts, torch.int64), b["input_ids"], b["positions"],
                        b["slot_mapping"], b["context_lens"], b["block_tables"],
                        runner.cfg.block_size)
+
+class SpeculativeRunner(AsyncRunner):
+    def _flatten(self, batch: ScheduledBatch):
+        """AsyncRunner._flatten, with each drafting row's drafts after its newest token; each of
+        its d + 1 last rows samples. A batch without drafts takes the plain loop."""
+        drafted = getattr(batch, "draft_token_ids", None)   # (none in the memory profile's step)
+        if not drafted:
+            return super()._flatten(batch)
+        bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
+                                             context_lens=[], cu_seqlens_q=[0])
+        input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = flat.values()
+        samples, pending, tables = [], [], []   # samples and pending: (row, seq)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            drafts = drafted.get(seq, ())
+            d = len(drafts)
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            last_row = cu_seqlens_q[-1] + n - 1
+            input_ids += seq.token_ids[start:end - d]
+            if end - d > len(seq.token_ids):   # a pending token
+                input_ids.append(0)                # a placeholder, filled on the device
+                pending.append((last_row - d, seq))
+            input_ids += drafts
+            table = seq.block_table
+            tables.append(table + [0] * (width - len(table)))   # the row's blocks, then 0s
+            positions += range(start, end)
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            context_lens.append(end)
+            cu_seqlens_q.append(last_row + 1)
+            if end - d >= len(seq.token_ids):   # its last input is its newest token: it samples
+                samples += [(row, seq) for row in range(last_row - d, last_row + 1)]
+        flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
+        self.pending = pending
+        return flat, samples
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        inputs = super().prepare(batch)
+        follow_accepted_drafts(self, batch, self.pending, self.prev)
+        return inputs
+
+class SpeculativeEngineCore(AsyncEngineCore):
+    def _read_back(self, step: LaunchedStep):
+        """Of each drafting sequence's sampled rows, those it keeps (Speculation.kept_rows)."""
+        rows = super()._read_back(step)
+        if not step.batch.draft_token_ids:
+            return rows
+        return self.scheduler.speculation.kept_rows(rows, step, self.launched)
+
+    def _step_before(self) -> Optional[LaunchedStep]:
+        """On the CPU or tensor-parallel, a step that drafted is read back before the next is
+        laid out (Speculation.reads_back_first)."""
+        prev = super()._step_before()
+        if prev is not None and self.scheduler.speculation.reads_back_first(prev):
+            self._commit(prev)
+            return None
+        return prev
 
 # ---------------------------------------------------------------------------
 # Chapter: structured output (grammars and tool calls)
@@ -3029,11 +3294,7 @@ def _follow_steps(runner, pipe):
                 plan = pipe.recv()
             except EOFError:              # rank 0 is gone, however it went
                 return
-            inputs = runner.put_step(*plan)   # (input_ids, positions, meta)
-            if plan[1] in runner.graphs:          # the graph of the size rank 0 replays
-                runner.graphs[plan[1]][0].replay()
-            else:
-                runner.model(*inputs)
+            runner.forward(*runner.put_step(*plan))   # as rank 0: a graph's replay, or eager
 
 def _worker_main(make_runner, cfg, rank, port, pipe):
     """A worker process: its signals, its GPU, its place in the group, then rank 0's start-up
@@ -3393,17 +3654,19 @@ def chat_logprobs(shape: _ChatShape, d: Delta) -> Optional[dict]:
 # -- /metrics --
 def engine_stats(core: EngineCore) -> dict:
     """The engine's gauges, and counters (the _total ones), by their /metrics names less the
-    nanoserve_ prefix."""
+    nanoserve_ prefix. A count that a chapter keeps is 0 where it is off (part one's engine)."""
     a, s = core.allocator, core.scheduler
+    num_prompt, num_cached = getattr(s, "num_prompt_tokens", 0), getattr(s, "num_cached_tokens", 0)
+    speculation = getattr(s, "speculation", None)
     return dict(requests_running=len(s.running), requests_waiting=len(s.waiting),
                 kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,
-                kv_blocks_cached=len(a.evictable),        # free, but their prefix kept
+                kv_blocks_cached=len(getattr(a, "evictable", ())),   # free, but their prefix kept
                 generated_tokens_total=core.num_generated_tokens,
-                prompt_tokens_total=s.num_prompt_tokens,  # admitted, and of those cached
-                prefix_cache_hit_tokens_total=s.num_cached_tokens,
-                prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens),
+                prompt_tokens_total=num_prompt,  # admitted, and of those cached
+                prefix_cache_hit_tokens_total=num_cached,
+                prefix_cache_hit_rate=num_cached / max(1, num_prompt),
                 preemptions_total=s.num_preemptions,
-                **s.speculation.stats())                  # chapter: speculative decoding
+                **(speculation.stats() if speculation else Speculation.empty_stats))
 
 def speed_line(llm: LLM, state: RequestState) -> str:
     """What `generate` prints on stderr after its answer: the tokens, the seconds from the
@@ -3621,18 +3884,18 @@ class _ResponsesShape:
             events += self.done(self.status)
         return events
 
-    async def stream(self, chunks, include_usage: bool, write):
+    async def stream(self, chunks, include_usage: bool):
         """Created, in_progress, each chunk's events, then completed or incomplete (or error)."""
         for kind in ("created", "in_progress"):
-            await write(self.event(f"response.{kind}", response=self.response()))
+            yield self.event(f"response.{kind}", response=self.response())
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
                     for event in self.events(choice) if choice is not None else []:
-                        await write(event)
-                await write(self.event(f"response.{self.status}", response=self.response()))
+                        yield event
+                yield self.event(f"response.{self.status}", response=self.response())
             except APIError as e:             # a bug here ends the stream, logged by uvicorn
-                await write(self.event("error", **e.body))
+                yield self.event("error", **e.body)
 
     async def body(self, chunks, request: Request) -> Optional[dict]:
         """One response object. None if the client hangs up first (as in _Shape.body)."""
@@ -3780,6 +4043,48 @@ def _exit_with(ends):
         for child in multiprocessing.active_children():
             child.kill()
         os._exit(1)
+
+# ---------------------------------------------------------------------------
+# The default engine
+# What LLM, `generate` and `serve` run unless --part-one: part one's classes with the chapters'
+# extensions. In each class below, a method runs the chapters' versions left to right, each
+# handing on to the next with super(), and part one's last. So the order says who wraps whom:
+# prefix caching's _commit names the blocks after async scheduling's has read the step back,
+# and speculative decoding's schedule adds drafts to the batch the others have built.
+
+class DefaultSequence(SpeculativeSequence, PrefixCachingSequence, AsyncSequence, Sequence):
+    pass
+
+class DefaultScheduler(SpeculativeScheduler, BurstRuleScheduler, PrefixCachingScheduler,
+                       AsyncScheduler, Scheduler):
+    pass
+
+class DefaultRunner(SpeculativeRunner, CUDAGraphRunner, AsyncRunner, ModelRunner):
+    pass
+
+class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, AsyncEngineCore,
+                        EngineCore):
+    allocator_class, scheduler_class, runner_class = PrefixCachingAllocator, DefaultScheduler, \
+        DefaultRunner
+    sequence_class = DefaultSequence
+
+LLM.engine_class = DefaultEngineCore
+
+def main(argv=None):
+    """The CLI (its section in part one): `generate` runs LLM, whose engine is set above, and
+    `serve` the engine core process's client, or with --part-one part one's engine in both."""
+    args = build_parser().parse_args(argv)
+    try:
+        ensure_default_model(args.model)
+        cfg = from_flags(Config, args)
+        if args.command == "generate":
+            run_generate(cfg, args.prompt, from_flags(SamplingParams, args))
+        else:
+            serve(cfg, EngineCoreClient if cfg.part_one else EngineCoreProcessClient)
+    except (ValueError, OSError) as e:        # bad input: one line, no traceback
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 if __name__ == "__main__":
     main()

@@ -48,7 +48,8 @@ if not torch.cuda.is_available():
 import download
 import nanoserve as ns
 import paged_attention as pa
-from nanoserve import DEFAULT_MODEL, Config, EngineCoreClient, build_app
+from nanoserve import DEFAULT_MODEL, Config, build_app
+from nanoserve import EngineCoreProcessClient as EngineCoreClient   # the default server's
 
 SMOL_DIR = ns.DEFAULT_MODEL
 CUDA = torch.cuda.is_available()
@@ -67,7 +68,8 @@ def check_pool_is_free(engine):
     a = engine.allocator
     assert sum(a.ref_counts) == 0, "a block is still referenced"
     assert a.num_free_blocks == a.num_blocks
-    assert len(set(a.free_block_ids) | set(a.evictable)) == a.num_blocks, "block lost"
+    kept = getattr(a, "evictable", ())                 # (part one's allocator keeps none)
+    assert len(set(a.free_block_ids) | set(kept)) == a.num_blocks, "block lost"
     assert not engine.seqs and not engine.has_unfinished()
 
 
@@ -349,6 +351,67 @@ def test_batched_equals_one_at_a_time(smol_llm):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_part_one_equals_default():
+    """Part one's engine alone (part_one, the CLI's --part-one) gives the default engine's tokens
+    on plain requests: greedy and seeded, prompts whole and in chunks, with and without
+    preemption. It is part one's classes and none of the chapters' (the default engine is
+    assembled from subclasses of them)."""
+    seeded = ns.SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=3, max_tokens=16)
+    prompts, params = SMOL_PROMPTS + SMOL_PROMPTS[:2], [GREEDY] * len(SMOL_PROMPTS) + [seeded] * 2
+    for settings in (dict(num_blocks=64), dict(num_blocks=6, max_num_batched_tokens=8,
+                                               max_num_seqs=4)):
+        runs, preemptions = {}, {}
+        for part_one in (False, True):
+            llm = ns.LLM(SMOL_DIR, device="cpu", part_one=part_one, **settings)
+            engine = llm.engine
+            assert (type(engine), type(engine.scheduler), type(engine.runner),
+                    type(engine.allocator)) == ((ns.EngineCore, ns.Scheduler, ns.ModelRunner,
+                                                 ns.BlockAllocator) if part_one else
+                                                (ns.DefaultEngineCore, ns.DefaultScheduler,
+                                                 ns.DefaultRunner, ns.PrefixCachingAllocator))
+            runs[part_one] = [o.token_ids for o in llm.generate(prompts, params)]
+            preemptions[part_one] = engine.scheduler.num_preemptions
+            check_pool_is_free(engine)
+        print(settings, "preemptions (default, part one):", preemptions[False], preemptions[True])
+        assert runs[True] == runs[False]
+        assert all(len(ids) == p.max_tokens for ids, p in zip(runs[True], params))
+    assert preemptions[True] > 0 and preemptions[False] > 0, "the small pool preempted no one"
+
+
+def test_part_one_server_answers_the_openai_client(smol_llm):
+    """Part one's server (its EngineCoreClient steps the engine core in a thread) answers
+    completions and chat, streamed and not, as the default engine offline; a client that leaves
+    mid-stream has its blocks freed."""
+    cfg = server_config(part_one=True)
+    client = ns.EngineCoreClient(cfg)
+    srv = ServerThread(build_app(client, cfg))
+    try:
+        assert type(client.engine) is ns.EngineCore
+        oai = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        prompt, kw = "The capital of France is", dict(model=MODEL, temperature=0, max_tokens=10)
+        ref = smol_llm.generate(prompt, ns.SamplingParams(temperature=0, max_tokens=10))[0].text
+        r = oai.completions.create(prompt=prompt, **kw)
+        text, finish, _, _ = stream_completion(oai, prompt=prompt, **kw)
+        assert r.choices[0].text == text == ref and finish == [r.choices[0].finish_reason]
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = oai.chat.completions.create(messages=messages, **kw).choices[0].message.content
+        streamed, _ = stream_chat(oai, messages=messages, **kw)
+        offline = smol_llm.generate(client.front.encode(client.front.chat_template.render(
+            messages), add_special_tokens=False), ns.SamplingParams(temperature=0, max_tokens=10))
+        assert chat == streamed == offline[0].text and chat
+        stream = oai.completions.create(prompt=prompt, stream=True, model=MODEL, max_tokens=2000,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+        deadline = time.time() + 30
+        while client.engine.has_unfinished() and time.time() < deadline:
+            time.sleep(0.05)
+        check_pool_is_free(client.engine)
+    finally:
+        srv.stop()
+        client.shutdown()
+
+
 def test_async_scheduling_off_equals_on(smol_llm):
     """Without async scheduling each step is read back before the next is scheduled: the
     scheduler never sees a pending token, and greedy, seeded and drafting output are as with it."""
@@ -400,8 +463,8 @@ def test_decodes_wait_at_a_burst(smol_llm):
     scheduler.schedule = recorded
     outs = llm.generate(SMOL_PROMPTS * 3, GREEDY)         # 12 prompts: a backlog of whole steps
     assert [o.token_ids for o in outs] == [o.token_ids for o in whole] * 3
-    waited = [d for burst, i, d in steps if burst and i % ns.Scheduler.DECODES_EVERY]
-    rode = [d for burst, i, d in steps if burst and not i % ns.Scheduler.DECODES_EVERY]
+    waited = [d for burst, i, d in steps if burst and i % ns.BurstRuleScheduler.DECODES_EVERY]
+    rode = [d for burst, i, d in steps if burst and not i % ns.BurstRuleScheduler.DECODES_EVERY]
     assert waited and not any(waited), "a decode ran while prompts filled the step"
     assert any(rode), "decodes never rode along with the burst"
     check_pool_is_free(llm.engine)
@@ -1371,7 +1434,7 @@ def test_prompt_logprobs_match_transformers(smol):
 # Block allocator
 
 def test_allocator_counts_and_evicts_lru():
-    a = ns.BlockAllocator(4)
+    a = ns.PrefixCachingAllocator(4)
     blocks = [a.allocate() for _ in range(4)]
     assert a.num_free_blocks == 0
     with pytest.raises(AssertionError):
