@@ -41,9 +41,10 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
     the burst rule              decodes wait at a burst of prompts         Scheduler
     speculative decoding        drafts by prompt lookup, checked at once   Sequence, Scheduler,
                                                                            ModelRunner, EngineCore
+                                                                           (and a seam in Config)
     structured output           grammars and tool calls                    (seams)
     log-probs and logit edits   log-probs; logit_bias and penalties        (seams)
-    tensor parallelism          the model cut over GPUs                    (seams)
+    tensor parallelism          the model cut over GPUs                    ModelRunner (and seams)
     fp8 weights                 e4m3 weights, a scale per row              (seams)
     fp8 KV cache                an e4m3 KV pool                            (seams)
     the rest of the OpenAI API  field tables, log-prob shapes, /metrics    (seams)
@@ -51,7 +52,8 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
     faults                      a fault ends only the requests it touches  (seams)
 
 A chapter marked (seams) still enters part one through lines labelled "# chapter: NAME", which do
-nothing while it is off; the others are subclasses, and part one holds nothing of theirs.
+nothing while it is off. The others are subclasses: what they change in part one is a whole
+method they override, and part one's code runs alone as if they were not there.
 """
 
 from __future__ import annotations
@@ -593,22 +595,12 @@ class Scheduler:
         self.cfg, self.allocator, self.block_size = cfg, allocator, cfg.block_size
         self.waiting: deque[Sequence] = deque()            # FIFO; a preempted one goes first
         self.running: list[Sequence] = []      # in admission order
-        self.num_steps = self.num_preemptions = 0    # counts; a step that preempts admits no one
+        self.num_preemptions = 0                 # a step that preempts admits no one
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch([], []), self.cfg.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
-        self.num_steps += 1
-        # -- running sequences: decodes and unfinished prefill chunks --
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if not self._runs_this_step(seq):
-                continue
-            n = min(self._num_tokens_to_compute(seq), budget)
-            if self._reserve_blocks(seq, n):
-                batch.seqs.append(seq), batch.num_new_tokens.append(n)
-                budget -= n
+        budget = self._schedule_running(batch, budget, list(self.running))
         # -- admit waiting sequences while budget, seats and blocks allow --
         # (not in a step that had to preempt: the pool is already too full)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
@@ -621,19 +613,25 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _runs_this_step(self, seq: Sequence) -> bool:
-        """Whether a running sequence takes part in the step being built: not if it was preempted
-        earlier in this step's loop."""
-        return seq.status == "running"
-
-    def _num_tokens_to_compute(self, seq: Sequence) -> int:
-        """The tokens whose K/V are not yet in the cache: a prompt's rest, or a decode's newest."""
-        return seq.num_tokens - seq.num_computed_tokens
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, seqs: list) -> int:
+        """Running sequences first, in admission order: decodes, and unfinished prefill chunks.
+        seqs is a copy of running, since _reserve_blocks may preempt from its back. Returns the
+        budget left."""
+        for seq in seqs:
+            if budget == 0:
+                break
+            if seq.status != "running":        # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)   # a prompt's rest, or 1
+            if self._reserve_blocks(seq, n):
+                batch.seqs.append(seq), batch.num_new_tokens.append(n)
+                budget -= n
+        return budget
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Move the first waiting sequence to running with blocks for up to `budget` of its tokens;
         return how many it runs, or 0 if the free blocks are too few (it stays first in line)."""
-        n = min(self._num_tokens_to_compute(seq), budget)
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if self._num_blocks_needed(seq, n) > self.allocator.num_free_blocks:
             return 0
         self._reserve_blocks(seq, n)
@@ -669,7 +667,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _free_blocks(self, seq: Sequence):
-        for block in reversed(seq.block_table):   # tail first (the prefix cache's order of reuse)
+        for block in reversed(seq.block_table):   # tail first
             self.allocator.free(block)
         seq.block_table, seq.num_computed_tokens = [], 0
 
@@ -713,25 +711,26 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
-        self.workers = start_workers(cfg, type(self))  # chapter: tensor parallelism (None: off)
-        with start_up(self.workers):                      # chapter: tensor parallelism
-            self.use_cuda = self.device.type == "cuda"
-            if self.device.type == "cpu":    # here, where the step loop runs, not in the server
-                pa.set_cpu_threads(cfg.num_threads)
-            self.model = build_model(cfg)
-            self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
-            S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
-            self.buffers = dict(
-                input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
-                positions=torch.zeros(T, dtype=torch.int64, device=dev),
-                slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
-                context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
-                cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
-                block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
-            self.grammar_masks = GrammarMasks(                 # chapter: structured output
-                str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
-                self.use_cuda)
-            self.num_blocks = self.allocate_kv_cache()
+        self.use_cuda = self.device.type == "cuda"
+        if self.device.type == "cpu":        # here, where the step loop runs, not in the server
+            pa.set_cpu_threads(cfg.num_threads)
+        self.model = build_model(cfg)
+        self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
+        self.buffers = dict(
+            input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+            positions=torch.zeros(T, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
+            context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
+        self.grammar_masks = GrammarMasks(                     # chapter: structured output
+            str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
+            self.use_cuda)
+        self.num_blocks = self.allocate_kv_cache()
+
+    def close(self):
+        """Release what the runner holds beyond its memory: nothing, in part one."""
 
     # -- KV pool --
     def _bind_kv_cache(self, num_blocks: int):
@@ -811,11 +810,9 @@ class ModelRunner:
 
     def put_step(self, flat: dict, N: int, S: int, width: int, is_decode: bool) -> tuple:
         """The lists into the buffers: the model's inputs, N tokens of S sequences."""
-        send_step(self.workers, (flat, N, S, width, is_decode))  # chapter: tensor parallelism
         for name, values in flat.items():
             pa.put(self.buffers[name], values)
         b = self.buffers
-        pa.broadcast_from_rank0(b["input_ids"][:N])             # chapter: tensor parallelism
         meta = AttentionMetadata(b["slot_mapping"][:N], b["block_tables"][:S, :width],
                                  b["context_lens"][:S], b["cu_seqlens_q"][:S + 1], is_decode)
         return b["input_ids"][:N], b["positions"][:N], meta
@@ -906,7 +903,7 @@ class ModelRunner:
 # The step loop: schedule, launch, read back, and hand each sampled token to its sequence. The
 # engine core sees token ids only. Text, stop strings and all else per request live in the front
 # end (Requests in, text out). For LLM.generate it runs in the caller's thread; behind the server,
-# in a process of its own (chapter: the engine core process).
+# in a thread of its own (Server).
 
 @dataclass
 class EngineCoreRequest:
@@ -990,8 +987,7 @@ class EngineCore:
         """Read a step's tokens back and hand each to its sequence; each output it makes goes
         into self.committed at once."""
         for seq, row in self._read_back(step):
-            if not seq.is_finished:             # else aborted, or ended by the step before
-                self.committed.append(self._append_token(seq, *row))
+            self.committed.append(self._append_token(seq, *row))
 
     def _read_back(self, step: LaunchedStep):
         """The step's sampled rows on the host, (seq, row) each: a row is its token, then its
@@ -1180,8 +1176,9 @@ class FrontEnd:
     # -- outputs back --
     def process(self, outputs: list) -> tuple[list, list]:
         """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
-        string ended, for the engine core to abort. Tokens computed past the stop are dropped: one
-        in-process, a few more behind the server, where tokens and abort cross a pipe each."""
+        string ended, for the engine core to abort. Tokens computed past the stop are dropped: those
+        of the steps the engine core ran before the abort reached it (none in LLM.run's
+        synchronous step; a few behind the server, where tokens and abort each cross a queue)."""
         now, changed = time.perf_counter(), {}   # request id -> (state, its chars before)
         for out in outputs:
             state = self.states.get(out.request_id)
@@ -1283,23 +1280,27 @@ class LLM:
         return engine_stats(self.engine)       # chapter: the rest of the OpenAI API
 
     def close(self):
-        """Stop the engine's workers, where a chapter runs some (tensor parallelism)."""
-        stop_workers(self.engine.runner.workers)            # chapter: tensor parallelism
+        """Release what the engine holds beyond its memory (ModelRunner.close)."""
+        self.engine.runner.close()
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, read in the order a request takes. Two threads share
-# the server's process. The event loop runs the handlers: one (OpenAIServer.completions or .chat)
-# reads the body's fields and tokenizes, in a thread off the loop. The engine core steps in a
-# thread of its own, reached through the EngineCoreClient. Its generate(choices) sends a
+# An OpenAI-compatible HTTP API on Starlette, read in the order a request takes. Two threads do
+# the work of the server's process. The event loop runs the handlers: one (OpenAIServer.completions
+# or .chat) reads the body's fields, and tokenizes in a worker thread, off the loop. The engine
+# core steps in a thread of its own, reached through the EngineCoreClient. Its generate(choices) sends a
 # request's choices there, and yields a choice's RequestState each time it changes; closing it
 # early aborts what still runs. _respond hands those states to the endpoint's response shape
 # (_Shape). The shape's chunks go out as server-sent events (SSE: a `data: ...` line each, through
 # Starlette's StreamingResponse) or fold into one body (_Shape.body). The calls, in order:
 # completions or chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream or
-# shape.body. A client that leaves: StreamingResponse cancels the stream (or body sees it gone)
-# -> generate's `finally` -> _abort -> the engine core's abort_request -> Scheduler.finish frees
-# the blocks. What a client sees of a chat request with "stream": true, an SSE event a line (id,
+# shape.body. With n = 2, _respond makes two choices, each a RequestState on one queue, and body
+# folds each choice's chunks by its index (_fold). A client that leaves mid-stream: its
+# StreamingResponse cancels the stream, and the CancelledError rises through
+# _server_sent_events, shape.stream, shape.chunks and client.generate, each closing the one it
+# reads. generate's `finally` queues the aborts (_abort), _run applies them before its next step
+# (abort_request), and Scheduler.finish frees the blocks. A body asks after each chunk whether
+# its client is gone (_Shape.body). What a client sees of a chat request with "stream": true, an SSE event a line (id,
 # created, model and "logprobs": null left out):
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
 #            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
@@ -1765,19 +1766,27 @@ def ensure_default_model(model: str):
 # (ends_when_read): reading that token back ends it.
 # Sampling still comes after the read-back. So whatever reads the tokens so far to sample (a
 # penalty, a grammar) sees all of them, and the host's work hides behind step N+1's forward pass.
-# Extends: Sequence (num_pending_tokens), Scheduler (the count, and ends_when_read), ModelRunner
-# (_flatten's placeholder, the input ids), EngineCore (step, _launch, _commit).
+# Extends: Sequence (num_pending_tokens), Scheduler (_schedule_running: the count, and
+# ends_when_read), ModelRunner (_flatten's placeholder, the input ids), EngineCore (step, _launch,
+# _commit). Each per-row loop it changes, it replaces whole: no call per row is added.
 
 class AsyncSequence(Sequence):
     num_pending_tokens = 0   # tokens sampled on the device, not yet read back (the table above)
 
 class AsyncScheduler(Scheduler):
-    def _num_tokens_to_compute(self, seq: Sequence) -> int:
-        return super()._num_tokens_to_compute(seq) + seq.num_pending_tokens
-
-    def _runs_this_step(self, seq: Sequence) -> bool:
-        """Not one whose pending token is its last by length (ends_when_read)."""
-        return super()._runs_this_step(seq) and not ends_when_read(seq, self.cfg.max_model_len)
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, seqs: list) -> int:
+        """Part one's loop, with each sequence's pending tokens to compute too, and none run
+        whose pending token is its last by length (ends_when_read): reading it back ends it."""
+        for seq in seqs:
+            if budget == 0:
+                break
+            if seq.status != "running" or ends_when_read(seq, self.cfg.max_model_len):
+                continue
+            n = min(seq.num_tokens + seq.num_pending_tokens - seq.num_computed_tokens, budget)
+            if self._reserve_blocks(seq, n):
+                batch.seqs.append(seq), batch.num_new_tokens.append(n)
+                budget -= n
+        return budget
 
 def ends_when_read(seq: Sequence, max_model_len: int) -> bool:
     """True if seq's pending token is its last by length: no later step is worth launching."""
@@ -2311,29 +2320,26 @@ class PrefixCachingEngineCore(EngineCore):
 # DECODES_EVERY-th step. A decode costs about as much in a full prompt step as alone, since its
 # K/V is read either way. So its cost is paid in one step of those, prompts get the rest sooner,
 # and streams still move (README, Speed).
-# Extends: Scheduler (schedule decides whether decodes wait this step; _runs_this_step holds
-# them back).
+# Extends: Scheduler (_schedule_running leaves the decodes out of a step in which they wait).
 
 class BurstRuleScheduler(Scheduler):
     DECODES_EVERY = 4     # at a burst, decodes ride along every 4th step
-    decodes_wait = False  # this step's answer of decodes_wait_at_burst
+    num_steps = 0         # steps scheduled
 
-    def schedule(self) -> ScheduledBatch:
-        self.decodes_wait = self.decodes_wait_at_burst(self.cfg.max_num_batched_tokens)
-        return super().schedule()
-
-    def _runs_this_step(self, seq: Sequence) -> bool:
-        """Not one past its prompt (a decode, or a preempted one recomputing its output) while
-        decodes wait."""
-        held_back = self.decodes_wait and seq.num_computed_tokens >= seq.num_prompt_tokens
-        return super()._runs_this_step(seq) and not held_back
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, seqs: list) -> int:
+        """While decodes wait, only the running sequences still in their prompt run: not one
+        past it (a decode, or a preempted one recomputing its output)."""
+        self.num_steps += 1
+        if self.decodes_wait_at_burst(budget):
+            seqs = [seq for seq in seqs if seq.num_computed_tokens < seq.num_prompt_tokens]
+        return super()._schedule_running(batch, budget, seqs)
 
     def decodes_wait_at_burst(self, budget: int) -> bool:
         """True if decodes sit this step out for prompts, while prompts can take their place. That
         needs a free seat, prompts enough to fill a step, and room in the pool for two full steps
         of prompt tokens. With less room, admission would soon stop on blocks, and the decodes
         would wait for nothing."""
-        if (self.num_steps + 1) % self.DECODES_EVERY == 0:   # + 1: schedule counts this step
+        if self.num_steps % self.DECODES_EVERY == 0:
             return False                          # this step, decodes ride along
         seat_free = len(self.running) < self.cfg.max_num_seqs
         room = self.allocator.num_free_blocks * self.block_size >= 2 * budget
@@ -3103,11 +3109,29 @@ def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
 # input ids follow by a device broadcast, since a pending token is on rank 0's GPU only.
 # Start-up (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every
 # rank.
-# Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's heads and channels;
-# all_reduce), ModelRunner.__init__ (start_workers, start_up), allocate_kv_cache
-# (pa.min_over_ranks), put_step (send_step, pa.broadcast_from_rank0), fail_running
-# (stop_out_of_step), LLM.close (stop_workers), run_engine_core (exit_on_worker_death,
-# exit_on_failed_step).
+# Extends: ModelRunner (__init__ starts the workers; put_step sends them each step's plan;
+# close stops them). Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's
+# heads and channels; all_reduce), allocate_kv_cache (pa.min_over_ranks), fail_running
+# (stop_out_of_step), run_engine_core (exit_on_worker_death, exit_on_failed_step).
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner, with the workers started first and stopped if its start-up fails
+    (start_up); then each step's plan goes to them (put_step). A worker builds the same class,
+    and follows rank 0's steps (_follow_steps)."""
+    def __init__(self, cfg: Config):
+        self.workers = start_workers(cfg, type(self))     # None: one rank, or a worker
+        with start_up(self.workers):
+            super().__init__(cfg)
+
+    def put_step(self, flat: dict, N: int, S: int, width: int, is_decode: bool) -> tuple:
+        send_step(self.workers, (flat, N, S, width, is_decode))   # put_step's arguments
+        inputs = super().put_step(flat, N, S, width, is_decode)
+        pa.broadcast_from_rank0(inputs[0])      # the input ids: a pending one is on rank 0 only
+        return inputs
+
+    def close(self):
+        stop_workers(self.workers)
+        super().close()
 
 def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process that
@@ -3939,7 +3963,7 @@ def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) 
     so they are its last. (A step that returned has handed its outputs out already.) A waiting
     grammar row that the fault kept from its token takes its matcher back (GrammarMasks.rewind)."""
     core.launched = None
-    stop_out_of_step(core.runner.workers, error)       # chapter: tensor parallelism
+    stop_out_of_step(getattr(core.runner, "workers", None), error)   # (part one's runner: none)
     core.runner.grammar_masks.rewind()                  # chapter: structured output
     failed = [s for s in core.seqs.values() if waiting or s.status == "running"]
     for seq in failed:
@@ -4059,7 +4083,8 @@ class DefaultScheduler(SpeculativeScheduler, BurstRuleScheduler, PrefixCachingSc
                        AsyncScheduler, Scheduler):
     pass
 
-class DefaultRunner(SpeculativeRunner, CUDAGraphRunner, AsyncRunner, ModelRunner):
+class DefaultRunner(SpeculativeRunner, CUDAGraphRunner, TensorParallelRunner, AsyncRunner,
+                   ModelRunner):
     pass
 
 class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, AsyncEngineCore,

@@ -3223,12 +3223,11 @@ def test_responses_stream_ends_with_an_error_event():
         yield {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
         raise ns.APIError(500, "the engine core died", "internal_error")
 
-    async def write(data):
-        written.append(json.loads(data))
+    async def read(events):
+        return [json.loads(data) async for data in events]
     chat = types.SimpleNamespace(num_prompt_tokens=3, num_completion_tokens=1, chunks=None,
                                  server=types.SimpleNamespace(model_name=MODEL))
-    written = []
-    asyncio.run(ns._ResponsesShape(chat, {}).stream(chunks(), False, write))
+    written = asyncio.run(read(ns._ResponsesShape(chat, {}).stream(chunks(), False)))
     assert [e["type"] for e in written] == [
         "response.created", "response.in_progress", "response.output_item.added",
         "response.content_part.added", "response.output_text.delta", "error"]
