@@ -1296,9 +1296,8 @@ class LLM:
 # completions or chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream or
 # shape.body. With n = 2, _respond makes two choices, each a RequestState on one queue, and body
 # folds each choice's chunks by its index (_fold). A client that leaves mid-stream: its
-# StreamingResponse cancels the stream, and the CancelledError rises through
-# _server_sent_events, shape.stream, shape.chunks and client.generate, each closing the one it
-# reads. generate's `finally` queues the aborts (_abort), _run applies them before its next step
+# StreamingResponse cancels the stream, and the CancelledError rises through shape.stream,
+# shape.chunks and client.generate, each closing the one it reads. generate's `finally` queues the aborts (_abort), _run applies them before its next step
 # (abort_request), and Scheduler.finish frees the blocks. A body asks after each chunk whether
 # its client is gone (_Shape.body). What a client sees of a chat request with "stream": true, an SSE event a line (id,
 # created, model and "logprobs": null left out):
@@ -1496,8 +1495,7 @@ class OpenAIServer:
         chunks = shape.chunks(self.client.generate(choices), len(choices))
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
-            return StreamingResponse(_server_sent_events(shape.stream(chunks, include_usage)),
-                                     headers=_SSE_HEADERS)
+            return StreamingResponse(shape.stream(chunks, include_usage), headers=_SSE_HEADERS)
         body = await shape.body(chunks, request)
         return Response(status_code=499) if body is None else JSONResponse(body)
 
@@ -1517,6 +1515,16 @@ def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
 
 # -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
 _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
+
+# Server-sent events: a stream of `data: ...` lines, each event ended by a blank line. Starlette's
+# StreamingResponse sends each as it comes, and when the client leaves it cancels the stream:
+# the cancellation runs the `finally` of every generator on the way (client.generate's aborts).
+_SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+                "x-accel-buffering": "no"}             # nginx: unbuffered
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
 
 class _Shape:
     """A response of any endpoint: its id, envelopes and chunks."""
@@ -1565,22 +1573,22 @@ class _Shape:
         return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
 
     async def stream(self, chunks, include_usage: bool):
-        """OpenAI's stream: each event's data, a chunk's JSON, then `[DONE]`. An error after the
-        first byte is an event too: the status line is gone."""
+        """OpenAI's stream, as server-sent events (_sse): each chunk's JSON, then `[DONE]`. An
+        error after the first byte is an event too: the status line is gone."""
         head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
                     if choice is not None:
-                        yield f"{head}{_to_json(choice)}]}}"
+                        yield _sse(f"{head}{_to_json(choice)}]}}")
                 if include_usage:
-                    yield _to_json(self.envelope(self.chunk_object, [], usage=True))
+                    yield _sse(_to_json(self.envelope(self.chunk_object, [], usage=True)))
             except Exception as e:            # an APIError as it is; a bug logged, in one line
                 if not isinstance(e, APIError):
                     traceback.print_exc()
                     e = APIError(500, f"internal error: {e!r}", "internal_error")
-                yield _to_json(e.body)
-        yield "[DONE]"
+                yield _sse(_to_json(e.body))
+        yield _sse("[DONE]")
 
     async def body(self, chunks, request: Request) -> Optional[dict]:
         """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
@@ -1629,17 +1637,6 @@ class _ChatShape(_Shape):
         return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
                 "logprobs": chat_logprobs(self, d),       # chapter: the rest of the OpenAI API
                 "finish_reason": d.finish_reason}
-
-# Server-sent events: a stream of `data: ...` lines, each event ended by a blank line. Starlette's
-# StreamingResponse sends each as it comes, and when the client leaves it cancels the stream:
-# the cancellation runs the `finally` of every generator on the way (client.generate's aborts).
-_SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-                "x-accel-buffering": "no"}             # nginx: unbuffered
-
-async def _server_sent_events(events):
-    async with contextlib.aclosing(events):
-        async for data in events:
-            yield f"data: {data}\n\n"
 
 def _fold(whole: dict, chunk: dict):
     """Fold a chunk into the whole, key by key. Strings and lists concatenate, objects fold alike,
@@ -3911,15 +3908,15 @@ class _ResponsesShape:
     async def stream(self, chunks, include_usage: bool):
         """Created, in_progress, each chunk's events, then completed or incomplete (or error)."""
         for kind in ("created", "in_progress"):
-            yield self.event(f"response.{kind}", response=self.response())
+            yield _sse(self.event(f"response.{kind}", response=self.response()))
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
                     for event in self.events(choice) if choice is not None else []:
-                        yield event
-                yield self.event(f"response.{self.status}", response=self.response())
+                        yield _sse(event)
+                yield _sse(self.event(f"response.{self.status}", response=self.response()))
             except APIError as e:             # a bug here ends the stream, logged by uvicorn
-                yield self.event("error", **e.body)
+                yield _sse(self.event("error", **e.body))
 
     async def body(self, chunks, request: Request) -> Optional[dict]:
         """One response object. None if the client hangs up first (as in _Shape.body)."""

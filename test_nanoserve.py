@@ -3224,7 +3224,7 @@ def test_responses_stream_ends_with_an_error_event():
         raise ns.APIError(500, "the engine core died", "internal_error")
 
     async def read(events):
-        return [json.loads(data) async for data in events]
+        return [json.loads(event.removeprefix("data: ")) async for event in events]
     chat = types.SimpleNamespace(num_prompt_tokens=3, num_completion_tokens=1, chunks=None,
                                  server=types.SimpleNamespace(model_name=MODEL))
     written = asyncio.run(read(ns._ResponsesShape(chat, {}).stream(chunks(), False)))
