@@ -4,7 +4,7 @@ This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engine
 cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
-server with SSE streaming. The kernels live in paged_attention.py. Part one took 299 minutes in the
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 304 minutes in the
 last timed read (README.md's reading path), the chapters about 270.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
@@ -27,8 +27,9 @@ a test proves its tokens equal the default engine's. A request enters at the HTT
 LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Sequence, is
 scheduled into a flat batch, runs through Model.forward and is sampled, and the FrontEnd turns
 its token ids into text. Then come the chapters, one per feature. A chapter extends part one's
-classes from below it: a subclass whose methods hand on to part one's with super(). The default
-engine is assembled from them at the end of the file, where main, the CLI's entry, is too.
+classes from below it: a subclass that overrides whole methods, most of them handing on to part
+one's with super(); one that changes a per-row loop replaces the loop. The default engine is
+assembled from them at the end of the file, where main, the CLI's entry, is too.
 
     chapter                     what it adds                               what it extends
     async scheduling            step N+1 launched before N is read back    Sequence, Scheduler,
@@ -572,7 +573,7 @@ class Sequence:
         self.request_id, self.params = request_id, params
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
         self.num_prompt_tokens = len(prompt_token_ids)     # fixed: output starts after these
-        self.num_computed_tokens = 0     # tokens launched: their K/V are in the cache
+        self.num_computed_tokens = 0     # tokens launched: their K/V in the cache, or on the way
         self.num_cached_tokens = 0       # prompt tokens whose K/V were found, not computed
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
@@ -965,7 +966,8 @@ class EngineCore:
 
     def step(self) -> list:
         """One step, whole: schedule and launch it, sample it on the device, then read its tokens
-        back (_commit). Returns an EngineCoreOutput per token read back and kept."""
+        back (_commit). Returns an EngineCoreOutput per token read back (its token_id None where
+        max_tokens 0 only scores the prompt)."""
         self.committed = []            # _commit adds each output as it makes it (fail_running)
         launched = self._launch()
         if launched is not None:
@@ -992,7 +994,7 @@ class EngineCore:
     def _read_back(self, step: LaunchedStep):
         """The step's sampled rows on the host, (seq, row) each: a row is its token, then its
         log-probs if the step computed any. Waiting on the copy is the step's one host-device
-        sync."""
+        sync (prompt log-probs, where asked, add one in launch)."""
         self.runner.finish_sample(step)            # chapter: structured output (sampled when off)
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not one launched after it
@@ -1285,21 +1287,23 @@ class LLM:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, read in the order a request takes. Two threads do
-# the work of the server's process. The event loop runs the handlers: one (OpenAIServer.completions
-# or .chat) reads the body's fields, and tokenizes in a worker thread, off the loop. The engine
-# core steps in a thread of its own, reached through the EngineCoreClient. Its generate(choices) sends a
-# request's choices there, and yields a choice's RequestState each time it changes; closing it
-# early aborts what still runs. _respond hands those states to the endpoint's response shape
-# (_Shape). The shape's chunks go out as server-sent events (SSE: a `data: ...` line each, through
-# Starlette's StreamingResponse) or fold into one body (_Shape.body). The calls, in order:
-# completions or chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream or
-# shape.body. With n = 2, _respond makes two choices, each a RequestState on one queue, and body
-# folds each choice's chunks by its index (_fold). A client that leaves mid-stream: its
-# StreamingResponse cancels the stream, and the CancelledError rises through shape.stream,
-# shape.chunks and client.generate, each closing the one it reads. generate's `finally` queues the aborts (_abort), _run applies them before its next step
-# (abort_request), and Scheduler.finish frees the blocks. A body asks after each chunk whether
-# its client is gone (_Shape.body). What a client sees of a chat request with "stream": true, an SSE event a line (id,
+# An OpenAI-compatible HTTP API on Starlette, read in the order a request takes. The event loop's
+# thread runs the handlers. One (OpenAIServer.completions or .chat) reads the body's fields, and
+# tokenizes in a worker thread, off the loop. The engine core steps in a thread of its own,
+# reached through the EngineCoreClient. Its generate(choices) sends a request's choices there,
+# and yields a choice's RequestState each time it changes; closing it early aborts what still
+# runs. _respond hands those states to the endpoint's response shape (_Shape). The shape's
+# chunks go out as server-sent events (SSE: a `data: ...` line each, through Starlette's
+# StreamingResponse) or fold into one body (_Shape.body). The calls, in order: completions or
+# chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream or shape.body.
+# With n = 2, _respond makes two choices (prompt ids, SamplingParams), generate makes a
+# RequestState of each on one queue, and body folds each choice's chunks by its index (_fold).
+# A client that leaves mid-stream: its StreamingResponse cancels the stream, and the
+# CancelledError rises through shape.stream, shape.chunks and client.generate, each closing the
+# one it reads. generate's `finally` queues the aborts (_abort), _run applies them before its
+# next step (abort_request), and Scheduler.finish frees the blocks. A body asks after each chunk
+# whether its client is gone (_Shape.body). What a client sees of a chat request with "stream":
+# true, an SSE event a line (id,
 # created, model and "logprobs": null left out):
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
 #            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
@@ -1316,9 +1320,8 @@ class LLM:
 class EngineCoreClient:
     """The server's handle on the engine core, which steps in a thread of its own (_run). generate
     sends a request's choices into `outgoing` and yields their states as they change. _deliver,
-    on the event loop, hands each step's outputs to their requests' queues (a slow loop gets
-    several steps' tokens at once). It knows no HTTP: a failed request ends with finish_reason
-    "error"."""
+    on the event loop, hands each step's outputs to their requests' queues. It knows no HTTP: a
+    failed request ends with finish_reason "error"."""
     def __init__(self, cfg: Config):
         self.outgoing = queue.SimpleQueue()  # to the engine core: lists of requests or aborts
         self.error = ""                      # why the engine core is gone (an error ends it)
@@ -1675,7 +1678,7 @@ def serve(cfg: Config, client_class=EngineCoreClient):
     engine's (main, at the end of the file, says which)."""
     sock = socket.create_server((cfg.host, cfg.port))   # first: a port in use fails at once
     client = client_class(cfg)
-    try:   # SIGTERM drains (README), then uvicorn re-raises it: the engine core exits on EOF
+    try:   # SIGTERM drains (README), then uvicorn re-raises it, and shutdown stops the engine core
         print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
               + (" (API key required)" if cfg.api_key else ""), flush=True)
         server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
@@ -1857,8 +1860,8 @@ class AsyncEngineCore(EngineCore):
         self.launched: Optional[LaunchedStep] = None   # the step on the device between calls
 
     def step(self) -> list:
-        """EngineCore.step with the overlap: launch the next step, read back the previous call's (into
-        self.committed; nothing on the first call), then sample the new one. With
+        """EngineCore.step with the overlap: launch the next step, read back the previous call's
+        (into self.committed; nothing on the first call), then sample the new one. With
         --no-async-scheduling, part one's step."""
         if not self.cfg.async_scheduling:
             return super().step()
@@ -2393,7 +2396,7 @@ class SpeculativeSequence(Sequence):
     def __init__(self, *args):
         super().__init__(*args)
         self.ngrams = NgramIndex()   # where each n-gram of token_ids occurred last
-        self.guessed = (0, [])       # (len(token_ids), the pending tokens guessed) at the last draft
+        self.guessed = (0, [])       # (len(token_ids), the pending tokens guessed), last draft
 
 class SpeculativeScheduler(Scheduler):
     def __init__(self, cfg: Config, allocator: BlockAllocator):
