@@ -420,7 +420,8 @@ class DecoderLayer(nn.Module):
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
 # every token. compute_logits() applies the final norm and the LM head, through pa.linear, only to
 # the rows that sample: each sequence's last token, once its prompt is computed. (Two chapters
-# run it on more rows: a drafting row samples d + 1, and a prompt's rows give its log-probs.)
+# run it on more rows: a row with d drafts samples d + 1 rows, and a prompt's rows give its
+# log-probs.)
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -1771,7 +1772,7 @@ def ensure_default_model(model: str):
 # _commit). Each per-row loop it changes, it replaces whole: no call per row is added.
 
 class AsyncSequence(Sequence):
-    num_pending_tokens = 0   # tokens sampled on the device, not yet read back (the table above)
+    num_pending_tokens = 0   # rows launched to sample a token, not yet read back (the table above)
 
 class AsyncScheduler(Scheduler):
     def _schedule_running(self, batch: ScheduledBatch, budget: int, seqs: list) -> int:
