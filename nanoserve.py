@@ -3197,10 +3197,14 @@ def exit_on_failed_step(workers, sender):
     """In the engine core process, after a step that raised on rank 0: the workers have stopped
     (stop_out_of_step), so no step can run. The process ends as at a worker's death, once
     `sender` has sent the step's outputs: the tokens it read back, then the failed requests'
-    errors. A request that the step finished keeps its end; the server fails the rest."""
+    errors. A request that the step finished keeps its end; the server fails the rest. It exits
+    at once (os._exit): a normal exit would tear down the process group of the workers just
+    stopped, which can wait on them."""
     if workers is not None and workers.closed.is_set():
         sender.shutdown(wait=True)
-        sys.exit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 def send_step(workers, plan):
     """Rank 0's step plan to every worker, once start-up is done (start_up)."""
