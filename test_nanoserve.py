@@ -3922,7 +3922,11 @@ def test_bad_inputs_are_4xx_and_the_server_stays_up(server, capfd):
     thread.join()
     print(f"/health answered in at most {max(health) * 1e3:.1f} ms over {len(health)} probes")
     assert_error(result["r"], 413)
-    assert max(health) < 0.1
+    # A server that read the body on its event loop would answer no probe until the 413:
+    # several answers during the upload, most of them quick, show it kept serving. (The
+    # slowest single probe is left unbounded: on a 2-core machine it measures the load.)
+    assert len(health) >= 3
+    assert sorted(health)[len(health) // 2] < 0.1
     wait_idle(server)
     assert "Traceback" not in capfd.readouterr().err
 
