@@ -47,7 +47,8 @@ assembled from them at the end of the file, where main, the CLI's entry, is too.
     log-probs and logit edits   log-probs; logit_bias and penalties        (seams)
     tensor parallelism          the model cut over GPUs                    ModelRunner (and seams)
     fp8 weights                 e4m3 weights, a scale per row              (seams)
-    fp8 KV cache                an e4m3 KV pool                            (seams)
+    fp8 KV cache                an e4m3 KV pool                            ModelRunner
+                                                                           (and a seam in Config)
     the rest of the OpenAI API  field tables, log-prob shapes, /metrics    (seams)
     the Responses API           /v1/responses                              (seams)
     faults                      a fault ends only the requests it touches  (seams)
@@ -228,6 +229,10 @@ class Config:
         if self.attention == "triton" and not self.device.startswith("cuda") \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
+        for name in ("kv_cache_dtype", "num_speculative_tokens", "tensor_parallel_size"):
+            if self.part_one and getattr(self, name) != self.__dataclass_fields__[name].default:
+                raise ValueError(f"part one's engine (--part-one) has no {name}: leave it at "
+                                 f"its default, or leave out --part-one")
         check_fp8(self)                                        # chapter: fp8 weights
         check_fp8_kv_cache(self)                               # chapter: fp8 KV cache
 
@@ -735,15 +740,20 @@ class ModelRunner:
         """Release what the runner holds beyond its memory: nothing, in part one."""
 
     # -- KV pool --
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype of the keys and values in the pool: the model's."""
+        return self.cfg.torch_dtype
+
     def _bind_kv_cache(self, num_blocks: int):
         cfg, n_kv = self.cfg, self.model.layers[0].attn.n_kv       # n_kv: this rank's
         kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, n_kv, cfg.head_dim,
-                         dtype=kv_cache_dtype(cfg), device=self.device)  # chapter: fp8 KV cache
+                         dtype=self.kv_cache_dtype, device=self.device)
         for layer, k, v in zip(self.model.layers, *kv):   # each (num_blocks, block_size, n_kv, hd)
             layer.attn.k_cache, layer.attn.v_cache = k, v
 
     def allocate_kv_cache(self) -> int:
-        cfg, dtype = self.cfg, kv_cache_dtype(self.cfg)        # chapter: fp8 KV cache
+        cfg, dtype = self.cfg, self.kv_cache_dtype
         block_bytes = (2 * cfg.num_layers * cfg.block_size * self.model.layers[0].attn.n_kv
                        * cfg.head_dim * dtype.itemsize)                # n_kv: this rank's
         if cfg.num_blocks:
@@ -3392,8 +3402,8 @@ def quantize_fp8_weights(model: Model, cfg: Config):
 # preemption, drafts and tensor parallelism need nothing of their own. On the CPU the sdpa path
 # widens what it reads from the pool, as the kernels do, so a lone sequence's K/V are copied
 # where they were read in place. README.md's fp8 KV cache section has the quality it costs.
-# Seams: Config._check (check_fp8_kv_cache), ModelRunner._bind_kv_cache and allocate_kv_cache
-# (kv_cache_dtype).
+# Seam: Config._check (check_fp8_kv_cache). Fp8KVCacheRunner overrides ModelRunner's
+# kv_cache_dtype, which sizes and allocates the pool.
 
 def check_fp8_kv_cache(cfg: Config):
     """Triton converts to and from e4m3 on compute capability 8.9 or above (Ada, Hopper)."""
@@ -3402,9 +3412,11 @@ def check_fp8_kv_cache(cfg: Config):
         raise ValueError("kv_cache_dtype fp8 needs compute capability 8.9 or above (Ada, "
                          "Hopper); run this GPU with --kv-cache-dtype auto")
 
-def kv_cache_dtype(cfg: Config) -> torch.dtype:
-    """The KV pool's dtype: e4m3 with kv_cache_dtype="fp8", else the model's."""
-    return pa.FP8 if cfg.kv_cache_dtype == "fp8" else cfg.torch_dtype
+class Fp8KVCacheRunner(ModelRunner):
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV pool's dtype: e4m3 with kv_cache_dtype="fp8", else part one's (the model's)."""
+        return pa.FP8 if self.cfg.kv_cache_dtype == "fp8" else super().kv_cache_dtype
 
 # ---------------------------------------------------------------------------
 # Chapter: the rest of the OpenAI API
@@ -4088,8 +4100,8 @@ class DefaultScheduler(SpeculativeScheduler, BurstRuleScheduler, PrefixCachingSc
                        AsyncScheduler, Scheduler):
     pass
 
-class DefaultRunner(SpeculativeRunner, CUDAGraphRunner, TensorParallelRunner, AsyncRunner,
-                   ModelRunner):
+class DefaultRunner(SpeculativeRunner, CUDAGraphRunner, TensorParallelRunner, Fp8KVCacheRunner,
+                   AsyncRunner, ModelRunner):
     pass
 
 class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, AsyncEngineCore,

@@ -48,6 +48,7 @@ if not torch.cuda.is_available():
 import download
 import nanoserve as ns
 import paged_attention as pa
+from types import SimpleNamespace
 from nanoserve import DEFAULT_MODEL, Config, build_app
 from nanoserve import EngineCoreProcessClient as EngineCoreClient   # the default server's
 
@@ -376,6 +377,22 @@ def test_part_one_equals_default():
         assert runs[True] == runs[False]
         assert all(len(ids) == p.max_tokens for ids, p in zip(runs[True], params))
     assert preemptions[True] > 0 and preemptions[False] > 0, "the small pool preempted no one"
+
+
+def test_part_one_refuses_what_only_a_chapter_reads():
+    """--part-one with a setting that only a chapter reads is refused, one line from the CLI,
+    rather than run without it. The fp8 KV pool is the chapter's runner's, not part one's."""
+    for name, value in (("kv_cache_dtype", "fp8"), ("num_speculative_tokens", 3),
+                        ("tensor_parallel_size", 2)):
+        with pytest.raises(ValueError, match=f"part one's engine \\(--part-one\\) has no {name}"):
+            ns.Config(device="cpu", part_one=True, **{name: value})
+    with pytest.raises(SystemExit) as e:
+        ns.main(["generate", "hi", "--part-one", "--kv-cache-dtype", "fp8"])
+    assert str(e.value.code).startswith("error: part one's engine (--part-one) has no kv_cache")
+    cfg = ns.Config(SMOL_DIR, device="cpu", kv_cache_dtype="fp8")
+    assert ns.Fp8KVCacheRunner.kv_cache_dtype.fget(SimpleNamespace(cfg=cfg)) == pa.FP8
+    assert ns.ModelRunner.kv_cache_dtype.fget(SimpleNamespace(cfg=cfg)) == torch.float32
+    assert issubclass(ns.DefaultRunner, ns.Fp8KVCacheRunner)
 
 
 def test_part_one_server_answers_the_openai_client(smol_llm):
