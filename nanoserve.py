@@ -229,6 +229,8 @@ class Config:
         if self.attention == "triton" and not self.device.startswith("cuda") \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
+        # Part one's engine reads none of these three: run with it, they are refused, not
+        # ignored (a pool in the model's dtype, no drafts, one GPU, where the user asked else).
         for name in ("kv_cache_dtype", "num_speculative_tokens", "tensor_parallel_size"):
             if self.part_one and getattr(self, name) != self.__dataclass_fields__[name].default:
                 raise ValueError(f"part one's engine (--part-one) has no {name}: leave it at "
