@@ -43,8 +43,10 @@ assembled from them at the end of the file, where main, the CLI's entry, is too.
     speculative decoding        drafts by prompt lookup, checked at once   Sequence, Scheduler,
                                                                            ModelRunner, EngineCore
                                                                            (and a seam in Config)
-    structured output           grammars and tool calls                    (seams)
-    log-probs and logit edits   log-probs; logit_bias and penalties        (seams)
+    structured output           grammars and tool calls                    Sequence, ModelRunner,
+                                                                           EngineCore (and seams)
+    log-probs and logit edits   log-probs; logit_bias and penalties        Sequence, ModelRunner,
+                                                                           EngineCore (and seams)
     tensor parallelism          the model cut over GPUs                    ModelRunner (and seams)
     fp8 weights                 e4m3 weights, a scale per row              (seams)
     fp8 KV cache                an e4m3 KV pool                            ModelRunner
@@ -426,9 +428,7 @@ class DecoderLayer(nn.Module):
 # Model
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
 # every token. compute_logits() applies the final norm and the LM head, through pa.linear, only to
-# the rows that sample: each sequence's last token, once its prompt is computed. (Two chapters
-# run it on more rows: a row with d drafts samples d + 1 rows, and a prompt's rows give its
-# log-probs.)
+# the rows that sample: each sequence's last token, once its prompt is computed.
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -468,9 +468,7 @@ def build_model(cfg: Config) -> Model:
 # its own settings, so one request's choices never change another's. A seeded row draws its noise
 # from its own generator, seeded anew for each token by the request's seed and the token's
 # position (ModelRunner.sampling_batch hashes the two). So a draw depends on nothing else: not
-# the batch, nor which steps ran before. No step waits for the host (no sync). Two chapters edit
-# the logits before the draw (logit_bias and penalties; grammar masks), and one reads them after
-# (log-probs).
+# the batch, nor which steps ran before. No step waits for the host (no sync).
 
 @dataclass
 class SamplingParams:
@@ -488,7 +486,7 @@ class SamplingParams:
     presence_penalty: float = 0.0     # OpenAI's, in [-2, 2]: minus this if generated before,
     frequency_penalty: float = 0.0    # and minus this times the count so far
     repetition_penalty: float = 1.0   # transformers': a seen token's logit / this (x this if < 0)
-    grammar: Optional[str] = None  # llguidance grammar of the output (chapter: structured output)
+    grammar: Optional[str] = None     # an llguidance grammar the output must follow
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -506,21 +504,13 @@ class SamplingBatch:
     generators: list                  # (row, torch.Generator, its seed) for seeded rows
     all_greedy: bool
     needs_top_k_top_p: bool
-    max_logprobs: Optional[int]       # top log-probs to return per row; None: none wanted
-    logit_edits: Optional[tuple] = None  # chapter: log-probs and logit edits (None: no row has any)
-    allowed: Optional[tuple] = None   # chapter: structured output (None: no row has a grammar)
 
-def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
-    """Return the sampled token ids (B,) and, if asked, their log-probs."""
-    plain = batch.all_greedy and batch.max_logprobs is None and batch.logit_edits is None \
-        and batch.allowed is None
-    raw = logits if plain else logits.float()   # plain greedy: exact in the model dtype, no copy
-    logits = edit_logits(raw, batch)                 # chapter: log-probs and logit edits
-    logits = mask_logits(logits, raw, batch)                   # chapter: structured output
-    tokens = pa.argmax_rows(logits)                        # (B,), the greedy choice
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:   # (B, V)
+    """Return the sampled token ids (B,)."""
+    tokens = pa.argmax_rows(logits)          # (B,), the greedy choice, in the model's dtype
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
-        scaled = logits / torch.where(t > 0, t, 1.0)     # a greedy row's draw is replaced below
+        scaled = logits.float() / torch.where(t > 0, t, 1.0)   # a greedy row's draw is replaced
         if batch.needs_top_k_top_p:
             scaled = pa.apply_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
         probs = scaled.softmax(dim=-1)                     # (B, V)
@@ -533,7 +523,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch):     # (B, V)
             noise[row].exponential_(generator=gen.manual_seed(seed))
         sampled = (probs / noise).argmax(dim=-1)           # (B,)
         tokens = torch.where(batch.temperatures > 0, sampled, tokens)
-    return tokens, sampled_logprobs(raw, tokens, batch)       # chapter: log-probs and logit edits
+    return tokens
 
 # ---------------------------------------------------------------------------
 # Block allocator
@@ -586,8 +576,6 @@ class Sequence:
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.status, self.finish_reason = "waiting", None   # then "running", "finished"
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
-        self.matcher = None                                    # chapter: structured output
-        self.prompt_logprobs: list = []                  # chapter: log-probs and logit edits
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
     is_finished = property(lambda self: self.status == "finished")
@@ -713,8 +701,7 @@ class LaunchedStep:
     logits: Optional[torch.Tensor]    # (B, V) of those rows
     positions: list = field(default_factory=list)   # of the tokens they draw (StepInputs)
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
-    masks: Optional[Future] = None    # chapter: structured output (None: no grammar row)
-    host: list = field(default_factory=list)  # tokens, then sample()'s log-probs, as host copies
+    host: list = field(default_factory=list)  # host copies of what is read back: tokens first
     copied: Optional[torch.cuda.Event] = None   # done once `host` is filled (None on CPU)
 
 class ModelRunner:
@@ -733,9 +720,6 @@ class ModelRunner:
             context_lens=torch.zeros(S, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.zeros(S + 1, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
-        self.grammar_masks = GrammarMasks(                     # chapter: structured output
-            str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, S, cfg.vocab_size,
-            self.use_cuda)
         self.num_blocks = self.allocate_kv_cache()
 
     def close(self):
@@ -853,7 +837,7 @@ class ModelRunner:
         flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
         return flat, samples
 
-    def sampling_batch(self, seqs: list, positions: list, allowed=None) -> SamplingBatch:
+    def sampling_batch(self, seqs: list, positions: list) -> SamplingBatch:
         """The rows' settings; positions: of the token each row draws, which seeds its noise."""
         params, V = [s.params for s in seqs], self.cfg.vocab_size
         all_greedy = all(p.temperature == 0 for p in params)
@@ -867,9 +851,7 @@ class ModelRunner:
             generators=[(i, s.generator, hash((s.params.seed, positions[i])))
                         for i, s in enumerate(seqs) if s.generator is not None],
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            all_greedy=all_greedy, allowed=allowed,
-            logit_edits=logit_edits(seqs, self.device))      # chapter: log-probs and logit edits
+            all_greedy=all_greedy)
 
     # -- forward and sample --
     def forward(self, input_ids, positions, meta: AttentionMetadata):
@@ -882,8 +864,10 @@ class ModelRunner:
         sample."""
         inputs = self.prepare(batch)
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
-        hidden = hidden[:inputs.num_tokens]                    # (N_tok, D)
-        compute_prompt_logprobs(self, batch, hidden)      # chapter: log-probs and logit edits
+        return self.head(batch, inputs, hidden[:inputs.num_tokens])
+
+    def head(self, batch: ScheduledBatch, inputs: StepInputs, hidden) -> LaunchedStep:  # (N_tok, D)
+        """The step's logits, the LM head's over the rows that sample only."""
         if not inputs.samples:                  # only unfinished prefill chunks this step
             return LaunchedStep(batch, [], None)
         rows, seqs = zip(*inputs.samples)
@@ -892,25 +876,25 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)                           # (B, V)
         return LaunchedStep(batch, list(seqs), logits, inputs.sample_positions)
 
-    def sample(self, step: LaunchedStep):
-        """Sample a step's rows and start their tokens' copy back, which _commit waits for. It is
-        two calls (finish_sample samples) only so that a grammar row can wait for its mask."""
-        # chapter: structured output (None when no row has a grammar: sample now)
-        step.masks = self.grammar_masks.start_fill(step.seqs, self.device)
-        if step.masks is None:
-            self.finish_sample(step)
+    def sample(self, step: LaunchedStep):     # no grad: the logits have none
+        """Sample a step's rows on the device and start their tokens' copy back, which _commit
+        waits for."""
+        if step.seqs:                      # else only unfinished prefill chunks: no logits
+            step.tokens = self.draw(step.logits, step)
+            self.copy_to_host(step, step.tokens)
 
-    def finish_sample(self, step: Optional[LaunchedStep]):     # no grad: the logits have none
-        if step is None or step.tokens is not None or not step.seqs:
-            return                         # sampled already, or nothing to sample
-        allowed = step.masks.result() if step.masks else None  # chapter: structured output
-        batch = self.sampling_batch(step.seqs, step.positions, allowed)
-        step.tokens, logprobs = sample(step.logits, batch)
-        step.host = [step.tokens, *(logprobs or ())]      # (B,), then (B,), (B, k), (B, k)
-        if self.use_cuda:
-            step.host = [t.to("cpu", non_blocking=True) for t in step.host]  # into pinned memory
-            step.copied = torch.cuda.Event()
-            step.copied.record()                           # on the stream, after the copies
+    def draw(self, logits, step: LaunchedStep) -> torch.Tensor:   # (B, V) -> (B,)
+        """The step's rows' tokens, each drawn from its logits by its own settings."""
+        return sample(logits, self.sampling_batch(step.seqs, step.positions))
+
+    def copy_to_host(self, step: LaunchedStep, *tensors):
+        """Start copying tensors into step.host, which _read_back waits for (step.copied)."""
+        if not self.use_cuda:
+            step.host += tensors           # on the CPU they are host tensors already
+            return
+        step.host += [t.to("cpu", non_blocking=True) for t in tensors]   # into pinned memory
+        step.copied = torch.cuda.Event()
+        step.copied.record()               # on the stream, after the copies
 
 # ---------------------------------------------------------------------------
 # Engine core
@@ -963,8 +947,6 @@ class EngineCore:
         seq = self.sequence_class(request.request_id, request.prompt_token_ids, request.params)
         if request.params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
-        # chapter: structured output (None when the request has no grammar)
-        seq.matcher = self.runner.grammar_masks.start_matcher(request.params.grammar)
         self.seqs[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
 
@@ -1005,26 +987,22 @@ class EngineCore:
             self.committed.append(self._append_token(seq, *row))
 
     def _read_back(self, step: LaunchedStep):
-        """The step's sampled rows on the host, (seq, row) each: a row is its token, then its
-        log-probs if the step computed any. Waiting on the copy is the step's one host-device
-        sync (prompt log-probs, where asked, add one in launch)."""
-        self.runner.finish_sample(step)            # chapter: structured output (sampled when off)
+        """The step's sampled rows on the host, (seq, row) each: a row is its entry of each
+        tensor in step.host, its token first (in part one, its token alone). Waiting on the copy
+        is the step's one host-device sync."""
         if step.copied is not None:
             step.copied.synchronize()          # this step only, not one launched after it
-        host = [t.tolist() for t in step.host]   # tokens (B,), then log-probs: (B,), (B, k), (B, k)
-        # chapter: structured output (each grammar row's matcher follows its token)
-        self.runner.grammar_masks.follow(step.seqs, host[0] if host else [])
+        host = [t.tolist() for t in step.host]          # [tokens (B,)]
         return zip(step.seqs, zip(*host))
 
-    def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
+    def _append_token(self, seq: Sequence, token: int) -> EngineCoreOutput:
         """One read-back token into its sequence, and the output reporting it; ends the sequence if
-        the token finishes it. logprobs: the token's row of log-probs, if the step computed any."""
+        the token finishes it."""
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
         keep = seq.params.max_tokens > 0     # 0: the prompt is only scored (prompt log-probs)
         out = EngineCoreOutput(seq.request_id, token if keep else None,
                                num_cached_tokens=seq.num_cached_tokens)
-        add_logprobs(out, seq, logprobs)                 # chapter: log-probs and logit edits
         out.finish_reason = self._finish_reason(seq, token)
         if out.finish_reason is not None:
             self.scheduler.finish(seq, out.finish_reason)
@@ -1033,8 +1011,7 @@ class EngineCore:
 
     def _finish_reason(self, seq: Sequence, token: int) -> Optional[str]:
         p = seq.params
-        if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids \
-                or grammar_done(seq):                          # chapter: structured output
+        if (token in self.cfg.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
             return "length"
@@ -1168,6 +1145,12 @@ class FrontEnd:
     def validate(self, prompt_ids: list, params: SamplingParams):
         """Every check the engine core relies on, made before it sees the request."""
         check_sampling_params(params, self.cfg.vocab_size)
+        # Part one's engine reads none of these: run with it, they are refused, not ignored.
+        for name in ("logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "grammar"):
+            if self.cfg.part_one and getattr(params, name) != getattr(SamplingParams(), name):
+                raise ValueError(f"part one's engine (--part-one) has no {name}: leave it out, "
+                                 f"or leave out --part-one")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:   # C loops, not Python
@@ -1857,7 +1840,6 @@ def put_pending_tokens(runner: ModelRunner, batch: ScheduledBatch, input_ids: li
     """The input ids, with each pending (row, seq) copied from prev's samples on the device: no
     host round trip. A steady decode (the same rows as prev) takes all of prev's tokens at once."""
     ids = runner.buffers["input_ids"]
-    runner.finish_sample(prev)         # chapter: structured output (sampled already when off)
     if batch.is_decode and batch.seqs == prev.seqs:
         ids[:len(batch.seqs)].copy_(prev.tokens)
         return
@@ -2645,17 +2627,17 @@ class SpeculativeEngineCore(AsyncEngineCore):
 # allows next. Each step the host fills one bitmask row per constrained row (GrammarMasks, on a
 # thread of its own while the next step is prepared), and the sampler sets what the mask forbids
 # to -inf (pa.apply_token_mask). So a step with grammar rows samples later than part one's:
-# ModelRunner.sample only starts the fill, and finish_sample samples once the masks are there.
-# After the step is read back, each matcher follows its row's token.
+# GrammarRunner.sample only starts the fill, and finish_sample samples once the masks are there:
+# when the step is read back, or when the next step takes its tokens as inputs. After the read
+# back, each matcher follows its row's token.
 # Tool calls: each model family writes a call its own way (TOOL_CALL_FORMATS). The server turns
 # tools and tool_choice into a grammar of the whole answer, and parses the text back into call
 # deltas as it grows (split_tool_calls, _ToolCallShape).
-# Seams: Sequence.matcher, SamplingParams.grammar, the sampler (mask_logits), ModelRunner's
-# GrammarMasks, sample and finish_sample, put_pending_tokens (finish_sample of the step before),
-# EngineCore.add_request (start_matcher), _commit (follow), _finish_reason (grammar_done),
-# fail_running (rewind),
-# ChatTemplate.render (tools as text), FrontEnd (read_tool_calls, grammar), _Shape.hold, and the
-# handlers (request_grammar, chat_grammar, tool_call_shape).
+# Extends: Sequence (its matcher), ModelRunner (sample, finish_sample and draw; _put_input_ids
+# samples the step before), EngineCore (add_request starts the matcher, _read_back follows,
+# _finish_reason ends at the grammar's end). Seams: fail_running (rewind), ChatTemplate.render
+# (tools as text), FrontEnd (read_tool_calls, grammar), check_sampling_params (check_grammar),
+# _Shape.hold, and the handlers (request_grammar, chat_grammar, tool_call_shape).
 
 # How each model family writes a tool call, for tool_choice "auto": {"name": ..., KEY: {...}}
 # between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
@@ -2960,8 +2942,9 @@ class GrammarMasks:
         return self.built(grammar, family).deep_copy()
 
     def start_fill(self, seqs, device):
-        """For ModelRunner.sample: fill_async for the rows with a grammar; None if there is none."""
-        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        """For GrammarRunner.sample: fill_async for the rows with a grammar; None if there is none
+        (part one's Sequence, as the memory profile's, has no matcher)."""
+        rows = [row for row, seq in enumerate(seqs) if getattr(seq, "matcher", None) is not None]
         for seq in (seqs[row] for row in rows if isinstance(seqs[row].matcher, Future)):
             seq.matcher = seq.matcher.result()   # a Future's result() takes a lock each call
         return self.fill_async([seqs[row].matcher for row in rows], rows, device) if rows else None
@@ -2980,10 +2963,10 @@ class GrammarMasks:
         return self.thread.submit(fill_and_copy)
 
     def follow(self, seqs, tokens):
-        """For EngineCore._commit: each unfinished grammar row's matcher takes its read-back token,
-        so that the grammar follows the output. It runs before _commit's row loop appends the
-        tokens, since _finish_reason asks the matcher whether the token ended the grammar. So
-        `followed` keeps each row's length once its token is appended, for rewind."""
+        """For GrammarEngineCore._read_back: each unfinished grammar row's matcher takes its
+        read-back token, so that the grammar follows the output. It runs before _commit's row loop
+        appends the tokens, since _finish_reason asks the matcher whether the token ended the
+        grammar. So `followed` keeps each row's length once its token is appended, for rewind."""
         rows = [(seq, token) for seq, token in zip(seqs, tokens)
                 if seq.matcher is not None and not seq.is_finished]
         self.followed = [(seq, seq.num_tokens + 1) for seq, _ in rows]
@@ -3004,14 +2987,6 @@ class GrammarMasks:
         if pairs:
             self.executor().consume_token_par(pairs)
 
-def mask_logits(logits, raw, batch: SamplingBatch):           # (B, V) fp32
-    """The grammar rows' logits with what their grammar forbids at -inf (pa.apply_token_mask). In
-    place, but on a copy while `raw` is still to give the log-probs."""
-    if batch.allowed is None:
-        return logits
-    keep_raw = logits is raw and batch.max_logprobs is not None
-    return pa.apply_token_mask(logits.clone() if keep_raw else logits, *batch.allowed)
-
 def check_grammar(grammar):
     """A grammar llguidance cannot read is a ValueError before its request is queued. Its matcher
     would otherwise end the request at once with no text, or fail the whole step. The server's
@@ -3023,9 +2998,66 @@ def check_grammar(grammar):
 
 _grammar_error = functools.lru_cache(maxsize=256)(llguidance.LLMatcher.validate_grammar)
 
-def grammar_done(seq: Sequence) -> bool:
-    """Whether seq's grammar has ended: its answer is whole, and the request ends with "stop"."""
-    return seq.matcher is not None and seq.matcher.is_stopped()
+class GrammarSequence(Sequence):
+    matcher = None     # its grammar's matcher (a Future of it until its first fill); None: none
+
+class GrammarRunner(AsyncRunner):
+    """The sampler with grammar masks. A step with grammar rows samples in finish_sample, once
+    their masks are filled: at its read back (GrammarEngineCore), or earlier, when the next step
+    takes its tokens as inputs on the device (_put_input_ids). One step fills at a time, since
+    each step is sampled before the next one's fill starts."""
+    filling = None     # (step, the Future of its masks) while its grammar rows wait for them
+
+    def __init__(self, cfg: Config):
+        self.grammar_masks = GrammarMasks(     # before part one's: its memory profile samples
+            str(Path(cfg.model) / "tokenizer.json"), cfg.eos_token_ids, cfg.max_num_seqs,
+            cfg.vocab_size, torch.device(cfg.device).type == "cuda")
+        super().__init__(cfg)
+
+    def sample(self, step: LaunchedStep):
+        masks = self.grammar_masks.start_fill(step.seqs, self.device)
+        if masks is None:
+            return super().sample(step)
+        self.filling = (step, masks)           # sampled in finish_sample
+
+    def finish_sample(self, step: Optional[LaunchedStep]):
+        if self.filling is not None and self.filling[0] is step:
+            super().sample(step)               # draw() masks its rows
+            self.filling = None
+
+    def draw(self, logits, step: LaunchedStep) -> torch.Tensor:
+        """Part one's draw on a copy of the logits, in fp32, that the grammar rows' masks set
+        to -inf where their grammar forbids a token (the log-probs read the model's own)."""
+        if self.filling is None or self.filling[0] is not step:
+            return super().draw(logits, step)
+        rows, bitmask = self.filling[1].result()
+        masked = pa.apply_token_mask(logits.to(torch.float32, copy=True), rows, bitmask)
+        return super().draw(masked, step)
+
+    def _put_input_ids(self, batch: ScheduledBatch, input_ids: list):
+        if self.prev is not None:              # its tokens are some of this step's inputs
+            self.finish_sample(self.prev)
+        super()._put_input_ids(batch, input_ids)
+
+class GrammarEngineCore(EngineCore):
+    def add_request(self, request: EngineCoreRequest):
+        super().add_request(request)
+        seq = self.seqs[request.request_id]    # a Future: built off the step loop
+        seq.matcher = self.runner.grammar_masks.start_matcher(request.params.grammar)
+
+    def _read_back(self, step: LaunchedStep):
+        """Sample the step if its grammar rows waited for masks, then read it back; each grammar
+        row's matcher follows its token."""
+        self.runner.finish_sample(step)
+        rows = list(super()._read_back(step))
+        self.runner.grammar_masks.follow(step.seqs, [row[0] for _, row in rows])
+        return rows
+
+    def _finish_reason(self, seq: Sequence, token: int) -> Optional[str]:
+        """Part one's, and "stop" when seq's grammar has ended: its answer is whole."""
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop"
+        return super()._finish_reason(seq, token)
 
 # ---------------------------------------------------------------------------
 # Chapter: log-probs and logit edits
@@ -3035,10 +3067,10 @@ def grammar_done(seq: Sequence) -> bool:
 # which runs the LM head over the prompt's rows. Logit edits: logit_bias, and the presence,
 # frequency and repetition penalties, which read the tokens so far. They apply as sparse edits at
 # (row, token) entries, never as a dense (B, V) bias (pa.apply_logit_edits).
-# Seams: SamplingParams' fields, check_sampling_params (check_logit_params), the sampler
-# (edit_logits, sampled_logprobs), Sequence.prompt_logprobs, reuse_cached_prefix (a
-# request for prompt log-probs computes every prompt row), ModelRunner.sampling_batch
-# (logit_edits) and launch (compute_prompt_logprobs), EngineCore._append_token (add_logprobs).
+# Extends: Sequence (its prompt log-probs so far), ModelRunner (head: the prompt log-probs; draw:
+# the edits; sample: the log-probs, copied back after the tokens), EngineCore (_append_token
+# reports them). Seams: check_sampling_params (check_logit_params); reuse_cached_prefix (a
+# request for prompt log-probs computes every prompt row).
 
 def check_logit_params(p: SamplingParams, vocab_size: float):
     """The ranges of this chapter's SamplingParams fields; logit_bias's keys made ints."""
@@ -3055,17 +3087,39 @@ def check_logit_params(p: SamplingParams, vocab_size: float):
     if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in p.logit_bias.items()):
         raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
 
-def edit_logits(raw, batch: SamplingBatch):                  # (B, V) fp32
-    """The logits with each row's bias and penalties applied; raw itself if no row has any."""
-    return raw if batch.logit_edits is None else pa.apply_logit_edits(raw, batch.logit_edits)
+class LogprobsSequence(Sequence):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.prompt_logprobs: list = []   # (logprob, {token_id: logprob}) per prompt token so far
 
-def sampled_logprobs(raw, tokens, batch: SamplingBatch) -> Optional[tuple]:   # (B, V), (B,)
-    """The sampled tokens' log-probs (B,) and the top values and ids (B, k), from the model's own
-    logits `raw`, before edits, temperature and top-p; None if no row asks."""
-    if batch.max_logprobs is None:
-        return None
-    logp = raw.log_softmax(dim=-1)                         # (B, V) fp32
-    top = logp.topk(batch.max_logprobs, dim=-1)            # (B, k) values and indices
+class LogprobsRunner(ModelRunner):
+    def head(self, batch: ScheduledBatch, inputs: StepInputs, hidden) -> LaunchedStep:
+        compute_prompt_logprobs(self, batch, hidden)      # the common case: none asked, no sync
+        return super().head(batch, inputs, hidden)
+
+    def draw(self, logits, step: LaunchedStep) -> torch.Tensor:
+        """Part one's draw from the logits with each row's bias and penalties applied, in fp32
+        (a new tensor: the log-probs read the model's own); the logits as they are if no row has
+        any."""
+        edits = logit_edits(step.seqs, self.device)
+        if edits is not None:
+            logits = pa.apply_logit_edits(logits.float(), edits)
+        return super().draw(logits, step)
+
+    def sample(self, step: LaunchedStep):
+        """Part one's sample, then the log-probs of the rows' tokens if any row asks: they go into
+        step.host after the tokens, the row's (chosen, top values, top ids)."""
+        super().sample(step)
+        k = max((s.params.logprobs for s in step.seqs if s.params.logprobs is not None),
+                default=None)
+        if k is not None and step.tokens is not None:
+            self.copy_to_host(step, *sampled_logprobs(step.logits, step.tokens, k))
+
+def sampled_logprobs(logits, tokens, k: int) -> tuple:   # (B, V), (B,)
+    """The sampled tokens' log-probs (B,) and the top k values and ids (B, k), from the model's
+    own logits, before edits, temperature and top-p."""
+    logp = logits.float().log_softmax(dim=-1)              # (B, V) fp32
+    top = logp.topk(k, dim=-1)                             # (B, k) values and indices
     return logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices
 
 def logit_edits(seqs: list, device) -> Optional[tuple]:
@@ -3094,15 +3148,19 @@ def compute_prompt_logprobs(runner: ModelRunner, batch: ScheduledBatch, hidden):
             seq.prompt_logprobs += [(lp, dict(zip(i, v))) for lp, i, v in zip(
                 chosen.tolist(), top.indices.tolist(), top.values.tolist())]
 
-def add_logprobs(out: EngineCoreOutput, seq: Sequence, logprobs: tuple):
-    """Into a token's output: its log-prob and seq's top k, if it asked (logprobs: the token's
-    row, (chosen, top values, top ids)); with its first token, its prompt's log-probs."""
-    if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
-        out.prompt_logprobs = seq.prompt_logprobs
-    k = seq.params.logprobs
-    if out.token_id is not None and logprobs and k is not None:
-        chosen, top_values, top_ids = logprobs
-        out.logprobs = (chosen, dict(zip(top_ids[:k], top_values[:k])))
+class LogprobsEngineCore(EngineCore):
+    def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
+        """Part one's, and into its output the token's log-prob and seq's top k, if it asked
+        (logprobs: the token's row, (chosen, top values, top ids), if the step computed any);
+        with its first token, its prompt's log-probs."""
+        out = super()._append_token(seq, token)
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
+        k = seq.params.logprobs
+        if out.token_id is not None and logprobs and k is not None:
+            chosen, top_values, top_ids = logprobs
+            out.logprobs = (chosen, dict(zip(top_ids[:k], top_values[:k])))
+        return out
 
 # ---------------------------------------------------------------------------
 # Chapter: tensor parallelism
@@ -3983,7 +4041,8 @@ def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) 
     grammar row that the fault kept from its token takes its matcher back (GrammarMasks.rewind)."""
     core.launched = None
     stop_out_of_step(getattr(core.runner, "workers", None), error)   # (part one's runner: none)
-    core.runner.grammar_masks.rewind()                  # chapter: structured output
+    if masks := getattr(core.runner, "grammar_masks", None):   # (part one's runner: none)
+        masks.rewind()
     failed = [s for s in core.seqs.values() if waiting or s.status == "running"]
     for seq in failed:
         core.abort_request(seq.request_id)
@@ -4095,7 +4154,8 @@ def _exit_with(ends):
 # prefix caching's _commit names the blocks after async scheduling's has read the step back,
 # and speculative decoding's schedule adds drafts to the batch the others have built.
 
-class DefaultSequence(SpeculativeSequence, PrefixCachingSequence, AsyncSequence, Sequence):
+class DefaultSequence(SpeculativeSequence, PrefixCachingSequence, GrammarSequence,
+                      LogprobsSequence, AsyncSequence, Sequence):
     pass
 
 class DefaultScheduler(SpeculativeScheduler, BurstRuleScheduler, PrefixCachingScheduler,
@@ -4103,11 +4163,11 @@ class DefaultScheduler(SpeculativeScheduler, BurstRuleScheduler, PrefixCachingSc
     pass
 
 class DefaultRunner(SpeculativeRunner, CUDAGraphRunner, TensorParallelRunner, Fp8KVCacheRunner,
-                   AsyncRunner, ModelRunner):
+                   GrammarRunner, LogprobsRunner, AsyncRunner, ModelRunner):
     pass
 
-class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, AsyncEngineCore,
-                        EngineCore):
+class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, GrammarEngineCore,
+                        LogprobsEngineCore, AsyncEngineCore, EngineCore):
     allocator_class, scheduler_class, runner_class = PrefixCachingAllocator, DefaultScheduler, \
         DefaultRunner
     sequence_class = DefaultSequence

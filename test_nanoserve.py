@@ -416,6 +416,10 @@ def test_part_one_server_answers_the_openai_client(smol_llm):
         offline = smol_llm.generate(client.front.encode(client.front.chat_template.render(
             messages), add_special_tokens=False), ns.SamplingParams(temperature=0, max_tokens=10))
         assert chat == streamed == offline[0].text and chat
+        for field, value in (("logprobs", 2), ("logit_bias", {"7": 5})):   # a chapter's: a 400
+            bad = httpx.post(srv.url + "/v1/completions", json={field: value, "prompt": prompt})
+            assert bad.status_code == 400, (field, bad.text)
+            assert f"part one's engine (--part-one) has no {field}" in bad.json()["error"]["message"]
         stream = oai.completions.create(prompt=prompt, stream=True, model=MODEL, max_tokens=2000,
                                         temperature=0, extra_body={"ignore_eos": True})
         next(iter(stream))
@@ -883,9 +887,9 @@ def test_acceptance_keeps_the_sampling_distribution():
     table = torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3], [0.3, 0.3, 0.4]])
     n, draft = 60000, 1
     logits = torch.cat([table[0].log().expand(n, 3), table[draft].log().expand(n, 3)])
-    x = ns.sample(logits, sampling_batch([1.0] * 2 * n))[0].view(2, n)   # row 0, then row 1
+    x = ns.sample(logits, sampling_batch([1.0] * 2 * n)).view(2, n)   # row 0, then row 1
     # a rejected draft leaves one token, and the next (plain) step samples the second
-    follow = ns.sample(table[x[0]].log(), sampling_batch([1.0] * n))[0]
+    follow = ns.sample(table[x[0]].log(), sampling_batch([1.0] * n))
     kept = torch.tensor([ns.num_accepted([draft], [a, b]) for a, b in x.T.tolist()])
     second = torch.where(kept == 1, x[1], follow)
     counts = torch.bincount(x[0] * 3 + second, minlength=9).float() / n
@@ -1181,7 +1185,7 @@ def sampling_batch(temps, top_ks=None, top_ps=None, gens=()):
         temperatures=torch.tensor(temps, dtype=torch.float32),
         top_ks=torch.tensor(top_ks or [10 ** 6] * B), top_ps=torch.tensor(top_ps or [1.0] * B),
         generators=list(gens), all_greedy=all(t == 0 for t in temps),
-        needs_top_k_top_p=top_ks is not None or top_ps is not None, max_logprobs=None)
+        needs_top_k_top_p=top_ks is not None or top_ps is not None)
 
 
 def test_top_k_top_p_masks_are_exact():
@@ -1215,7 +1219,7 @@ def test_sampled_frequencies_match_softmax():
     n, temperature = 40000, 0.7
     batch = sampling_batch([temperature] * n)
     torch.manual_seed(0)
-    tokens, _ = ns.sample(logits.expand(n, -1).clone(), batch)
+    tokens = ns.sample(logits.expand(n, -1).clone(), batch)
     freq = torch.bincount(tokens, minlength=5).float() / n
     expected = (logits / temperature).softmax(-1)
     sigma = (expected * (1 - expected) / n).sqrt()
@@ -1237,12 +1241,17 @@ def test_two_level_argmax_equals_argmax():
 def test_greedy_rows_ignore_noise():
     logits = torch.randn(6, 50)
     batch = sampling_batch([0, 1.0, 0, 1.0, 0, 0.5])
-    tokens, _ = ns.sample(logits, batch)
+    tokens = ns.sample(logits, batch)
     greedy = logits.argmax(-1)
     assert tokens[[0, 2, 4]].tolist() == greedy[[0, 2, 4]].tolist()
 
 
 # -- logit_bias and the penalties --
+
+def launched_step(seqs, logits):
+    """A step as ModelRunner.launch leaves it, for these rows' logits (each draws position 0)."""
+    return ns.LaunchedStep(None, seqs, logits, [0] * len(seqs))
+
 
 def history_seqs(V, specs, gen):
     """Sequences with a random prompt and output from a small id range (so
@@ -1291,14 +1300,14 @@ def test_logit_bias_and_penalties_match_their_formulas(smol_llm):
                       repetition_penalty=0.6),
              "plain, sampled": ns.SamplingParams(temperature=0.8, seed=5)}
     seqs = history_seqs(V, list(specs.values()), gen)
-    batch = runner.sampling_batch(seqs, [0] * len(seqs))
-    ours, ref = pa.apply_logit_edits(logits, batch.logit_edits), reference_edits(logits, seqs)
+    edits = ns.logit_edits(seqs, runner.device)
+    ours, ref = pa.apply_logit_edits(logits, edits), reference_edits(logits, seqs)
     for row, name in enumerate(specs):
         diff = (ours[row] - ref[row]).abs().max().item()
         changed = (ref[row] != logits[row]).sum().item()
         print(f"{name}: {changed} logits changed, worst abs diff {diff:.1e} (tolerance 1e-5)")
         assert diff <= 1e-5 and (changed > 0) == ("plain" not in name)
-    tokens, _ = ns.sample(logits, batch)
+    tokens = runner.draw(logits, launched_step(seqs, logits))     # the edits, then the draw
     greedy = [r for r, name in enumerate(specs) if name != "plain, sampled"]
     assert tokens[greedy].tolist() == ref[greedy].argmax(-1).tolist()
     assert tokens[1] != top[1]                        # -100 on the greedy token moves it
@@ -1323,9 +1332,10 @@ def test_edited_rows_leave_the_others_alone(smol_llm):
     for rows in ([0, 1, 2], order):
         for s in seqs:
             s.generator = torch.Generator().manual_seed(s.params.seed or 0)
-        batch = runner.sampling_batch([seqs[r] for r in rows], [0] * len(rows))
-        assert (batch.logit_edits is None) == (rows == [0, 1, 2])
-        tokens, (lp, top_lp, top_ids) = ns.sample(logits[rows], batch)
+        step = launched_step([seqs[r] for r in rows], logits[rows])
+        assert (ns.logit_edits(step.seqs, runner.device) is None) == (rows == [0, 1, 2])
+        runner.sample(step)                # tokens, then their log-probs, into step.host
+        tokens, lp, top_lp, top_ids = step.host
         keep = [rows.index(r) for r in (0, 1, 2)]
         outs.append([t[keep] for t in (tokens, lp, top_lp, top_ids)])
     for alone, mixed in zip(*outs):
