@@ -4,7 +4,7 @@ This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engine
 cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
-server with SSE streaming. The kernels live in paged_attention.py. Part one took 304 minutes in the
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 305 minutes in the
 last timed read (README.md's reading path), the chapters about 270.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
@@ -36,7 +36,7 @@ assembled from them at the end of the file, where main, the CLI's entry, is too.
                                                                            ModelRunner, EngineCore
     CUDA graphs                 a step replayed as one graph               ModelRunner
     the engine core process     the engine core in a process of its own    EngineCoreClient
-    stop strings                text cut at a stop string                  (seams)
+    stop strings                text cut at a stop string                  RequestState, FrontEnd
     prefix caching              blocks shared by prompts that begin alike  BlockAllocator, Sequence,
                                                                            Scheduler, EngineCore
     the burst rule              decodes wait at a burst of prompts         Scheduler
@@ -501,13 +501,13 @@ class SamplingBatch:
     temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows; None if all are, and
     top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off;   then None too
     top_ps: Optional[torch.Tensor]    # (B,) float;                        then None too
-    generators: list                  # (row, torch.Generator, its seed) for seeded rows
+    generators: list                  # (row, torch.Generator, hash(seed, position)), seeded rows
     all_greedy: bool
     needs_top_k_top_p: bool
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:   # (B, V)
     """Return the sampled token ids (B,)."""
-    tokens = pa.argmax_rows(logits)          # (B,), the greedy choice, in the model's dtype
+    tokens = pa.argmax_rows(logits)          # (B,), the greedy choice (logits in any dtype)
     if not batch.all_greedy:
         t = batch.temperatures.unsqueeze(1)                # (B, 1)
         scaled = logits.float() / torch.where(t > 0, t, 1.0)   # a greedy row's draw is replaced
@@ -1020,7 +1020,7 @@ class EngineCore:
 # Requests in, text out
 # The front end holds everything per request that the engine core never needs: chat templates,
 # tokenizing, checks against the engine's limits, and token ids back to text (incremental
-# detokenization, stop strings). It runs in the caller's process, the server's or LLM.generate's.
+# detokenization). It runs in the caller's process, the server's or LLM.generate's.
 
 # -- chat templates --
 def _raise_template_error(message: str):
@@ -1075,8 +1075,7 @@ class RequestState:
                  incremental: bool, index: int = 0, queue: Optional[asyncio.Queue] = None):
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
         self.index = index                # which of a server request's choices
-        # text per step, not at the end (chapter: stop strings: a stop string needs it)
-        self.incremental = incremental or bool(params.stop)
+        self.incremental = incremental    # text per step (a stream), or only at the end
         self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
         # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
@@ -1088,9 +1087,8 @@ class RequestState:
         self.last_token_time, self.num_timed_tokens = None, 0
         self.queue = queue                # the server's: _deliver puts each change
 
-    def take_delta(self) -> Delta:
-        """All new since the last call (less a tail held back: chapter: stop strings)."""
-        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.params.stop), default=0)
+    def take_delta(self, hold: int = 0) -> Delta:
+        """All new since the last call, less the last `hold` characters of the text."""
         end = max(self.num_sent_chars, len(self.text) - hold)
         n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
         delta = Delta(self.index, self.text[self.num_sent_chars:end], self.token_ids[n:],
@@ -1120,6 +1118,7 @@ def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
 
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
+    state_class = RequestState        # what it tracks each request with
     def __init__(self, cfg: Config, num_blocks: int):
         self.cfg, self.num_blocks = cfg, num_blocks
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
@@ -1146,7 +1145,7 @@ class FrontEnd:
         """Every check the engine core relies on, made before it sees the request."""
         check_sampling_params(params, self.cfg.vocab_size)
         # Part one's engine reads none of these: run with it, they are refused, not ignored.
-        for name in ("logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
+        for name in ("stop", "logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "grammar"):
             if self.cfg.part_one and getattr(params, name) != getattr(SamplingParams(), name):
                 raise ValueError(f"part one's engine (--part-one) has no {name}: leave it out, "
@@ -1167,22 +1166,23 @@ class FrontEnd:
     def add(self, prompt_ids: list, params: SamplingParams, incremental: bool = True,
             index: int = 0, queue=None) -> EngineCoreRequest:
         """Track a checked request; return what to send the engine core."""
-        state = RequestState(uuid.uuid4().hex, prompt_ids, params, incremental, index, queue)
+        state = self.state_class(uuid.uuid4().hex, prompt_ids, params, incremental, index, queue)
         self.states[state.request_id] = state
         return EngineCoreRequest(state.request_id, prompt_ids, params)
 
     # -- outputs back --
     def process(self, outputs: list) -> tuple[list, list]:
-        """Apply one or more steps' outputs; return the changed requests and the ids of those a stop
-        string ended, for the engine core to abort. Tokens computed past the stop are dropped: those
-        of the steps the engine core ran before the abort reached it (none in LLM.run's
-        synchronous step; a few behind the server, where tokens and abort each cross a queue)."""
-        now, changed = time.perf_counter(), {}   # request id -> (state, its chars before)
+        """Apply one or more steps' outputs. Return the changed requests, and the ids of those the
+        front end ended while the engine core still runs them, for it to abort (part one's front
+        end ends none). Tokens the engine core computes past such an end are dropped: those of
+        the steps it ran before the abort reached it (none in LLM.run's synchronous step; a few
+        behind the server, where tokens and abort each cross a queue)."""
+        now, changed = time.perf_counter(), {}   # request id -> its state
         for out in outputs:
             state = self.states.get(out.request_id)
-            if state is None:                  # ended here already (stop string, abort)
+            if state is None:                  # ended here already, or aborted
                 continue
-            changed.setdefault(out.request_id, (state, len(state.text)))
+            changed[out.request_id] = state
             state.first_token_time = state.first_token_time or now
             state.num_cached_tokens = out.num_cached_tokens
             state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
@@ -1190,17 +1190,13 @@ class FrontEnd:
             if out.token_id is not None:
                 state.token_ids.append(out.token_id)
                 state.logprobs += [out.logprobs] if out.logprobs else []
-        states = [state for state, _ in changed.values()]
+        states = list(changed.values())
         self._detokenize([s for s in states if s.incremental or s.finish_reason])   # or at the end
-        stopped = []
-        for state, num_chars in changed.values():
-            # chapter: stop strings (True: one ended a request the engine core still runs)
-            if state.params.stop and end_at_stop_string(self, state, num_chars):
-                stopped.append(state.request_id)
+        for state in states:
             if state.finish_reason is not None:
                 del self.states[state.request_id]
                 state.finish_time = now
-        return states, stopped
+        return states, []
 
     def decode(self, token_ids: list) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -1228,14 +1224,15 @@ class FrontEnd:
 class LLM:
     """Offline generation in vLLM's shape: LLM(model_dir).generate(prompts, SamplingParams(...))
     -> [RequestState]. The engine core runs in this process: offline, nothing competes with it.
-    It runs engine_class, which the end of the file sets to the default engine; with part_one,
-    part one's EngineCore."""
-    engine_class = EngineCore
+    It runs engine_class and front_class, which the end of the file sets to the default engine's;
+    with part_one, part one's EngineCore and FrontEnd."""
+    engine_class, front_class = EngineCore, FrontEnd
 
     def __init__(self, model=DEFAULT_MODEL, **settings):   # a folder, or a whole Config
         cfg = model if isinstance(model, Config) else Config(model=model, **settings)
         self.engine = (EngineCore if cfg.part_one else self.engine_class)(cfg)
-        self.front = FrontEnd(cfg, self.engine.allocator.num_blocks)
+        front_class = FrontEnd if cfg.part_one else self.front_class
+        self.front = front_class(cfg, self.engine.allocator.num_blocks)
 
     def add(self, prompt_ids: list, params: SamplingParams, incremental=False) -> RequestState:
         self.front.validate(prompt_ids, params)
@@ -1318,11 +1315,14 @@ class EngineCoreClient:
     sends a request's choices into `outgoing` and yields their states as they change. _deliver,
     on the event loop, hands each step's outputs to their requests' queues. It knows no HTTP: a
     failed request ends with finish_reason "error"."""
+    front_class = FrontEnd            # the default engine's, set at the end of the file
+
     def __init__(self, cfg: Config):
         self.outgoing = queue.SimpleQueue()  # to the engine core: lists of requests or aborts
         self.error = ""                      # why the engine core is gone (an error ends it)
         num_blocks = self.start_engine_core(cfg)
-        self.front = FrontEnd(cfg, num_blocks)      # the pool bounds a request
+        front_class = FrontEnd if cfg.part_one else self.front_class
+        self.front = front_class(cfg, num_blocks)      # the pool bounds a request
         self.metrics = ServerMetrics(self)        # chapter: the rest of the OpenAI API (/metrics)
 
     def start_engine_core(self, cfg: Config) -> int:
@@ -2146,7 +2146,36 @@ def receive_outputs(client: EngineCoreClient, loop: asyncio.AbstractEventLoop):
 # the server, or a chapter's accepted drafts). So the text is kept per step (incremental), each
 # call's new text is searched with the few characters before it, and a stream holds back the
 # tail of its text that could still grow into a stop string (take_delta's hold).
-# Seams: RequestState (incremental; take_delta's hold), FrontEnd.process (end_at_stop_string).
+# Extends: RequestState (incremental; take_delta's hold), FrontEnd (process ends a request at its
+# stop string, and names it to abort).
+
+class StopStringRequestState(RequestState):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.incremental = self.incremental or bool(self.params.stop)   # text at every step
+
+    def take_delta(self, hold: int = 0) -> Delta:
+        """Part one's, holding back the tail that could still begin a stop string."""
+        tail = max((len(s) - 1 for s in self.params.stop), default=0)
+        return super().take_delta(hold if self.finish_reason else max(hold, tail))
+
+class StopStringFrontEnd(FrontEnd):
+    state_class = StopStringRequestState
+
+    def process(self, outputs: list) -> tuple[list, list]:
+        """Part one's, then each changed request with stop strings ended at the first, and named
+        to abort if the engine core still runs it."""
+        num_chars = {}                         # request id -> its chars before these outputs
+        for out in outputs:
+            if (state := self.states.get(out.request_id)) is not None:
+                num_chars.setdefault(out.request_id, len(state.text))
+        states, stopped = super().process(outputs)
+        for state in states:
+            if state.params.stop and end_at_stop_string(self, state, num_chars[state.request_id]):
+                stopped.append(state.request_id)
+                del self.states[state.request_id]
+                state.finish_time = time.perf_counter()
+        return states, stopped
 
 def end_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars: int) -> bool:
     """End state at its earliest stop string, if its text holds one now: cut it ("stop"). Every
@@ -4173,6 +4202,7 @@ class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, GrammarE
     sequence_class = DefaultSequence
 
 LLM.engine_class = DefaultEngineCore
+LLM.front_class = EngineCoreClient.front_class = StopStringFrontEnd
 
 def main(argv=None):
     """The CLI (its section in part one): `generate` runs LLM, whose engine is set above, and

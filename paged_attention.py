@@ -79,7 +79,7 @@ import triton.language as tl
 # half `logit_edit_entries`, and `apply_top_k_top_p`; the model runner `to_device`, `put`,
 # `cuda_graph_sizes`, `graph_key` and `set_cpu_threads` (in the CPU path's section); speculative
 # decoding's `follow_accepted`; and each Attention layer one (rope_store, attend) pair of ATTENTION
-# (the last section): rope_store rotates q in place and writes the rotated k and v into the pool,
+# (the last section): rope_store rotates q in place and writes the rotated k, and v, into the pool,
 # attend reads the pool through the step's AttentionMetadata (as decode when every sequence brings
 # one token).
 

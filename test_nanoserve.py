@@ -416,7 +416,7 @@ def test_part_one_server_answers_the_openai_client(smol_llm):
         offline = smol_llm.generate(client.front.encode(client.front.chat_template.render(
             messages), add_special_tokens=False), ns.SamplingParams(temperature=0, max_tokens=10))
         assert chat == streamed == offline[0].text and chat
-        for field, value in (("logprobs", 2), ("logit_bias", {"7": 5})):   # a chapter's: a 400
+        for field, value in (("logprobs", 2), ("logit_bias", {"7": 5}), ("stop", ["."])):   # a chapter's: a 400
             bad = httpx.post(srv.url + "/v1/completions", json={field: value, "prompt": prompt})
             assert bad.status_code == 400, (field, bad.text)
             assert f"part one's engine (--part-one) has no {field}" in bad.json()["error"]["message"]
