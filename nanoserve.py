@@ -126,7 +126,8 @@ class Config:
     max_model_len: int = _flag(0, "longest prompt + completion (0: the model's limit)")
     enable_prefix_caching: bool = _flag(True, "reuse the KV blocks of prompts seen before",
                                         "--no-prefix-caching")
-    enforce_eager: bool = _flag(False, "no CUDA graphs (else on for triton attention on cuda)")
+    enforce_eager: bool = _flag(False, "no CUDA graphs (else on for triton attention on cuda; "
+                                "part one's engine has none)")
     num_threads: int = _flag(0, "torch threads of the engine on cpu (0: one per core it may use)")
     tensor_parallel_size: int = _flag(1, "GPUs the model is split over (on cpu: processes)")
     quantization: Optional[str] = _flag(None, "fp8: the layers' weights in fp8 e4m3, a scale per "
@@ -1291,9 +1292,9 @@ class LLM:
 # chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream or shape.body.
 # With n = 2, _respond makes two choices (prompt ids, SamplingParams), generate makes a
 # RequestState of each on one queue, and body folds each choice's chunks by its index (_fold).
-# A client that leaves mid-stream: its StreamingResponse cancels the stream, and the
-# CancelledError rises through shape.stream, shape.chunks and client.generate, each closing the
-# one it reads. generate's `finally` queues the aborts (_abort), _run applies them before its
+# A client that leaves mid-stream: its StreamingResponse cancels the stream. The CancelledError
+# is raised where client.generate waits on its queue, and rises out through shape.chunks and
+# shape.stream. generate's `finally` queues the aborts (_abort), _run applies them before its
 # next step (abort_request), and Scheduler.finish frees the blocks. A body asks after each chunk
 # whether its client is gone (_Shape.body). What a client sees of a chat request with "stream":
 # true, an SSE event a line (id,
@@ -1338,7 +1339,7 @@ class EngineCoreClient:
         self.thread.start()
 
     def shutdown(self):
-        self.outgoing.put(None)                  # after the requests queued before it
+        self.outgoing.put(None)                  # _run ends there: what is queued is dropped
         if getattr(self, "thread", None):
             self.thread.join()
 
@@ -1360,16 +1361,20 @@ class EngineCoreClient:
                 loop.call_soon_threadsafe(self._deliver, self._step())
 
     def _step(self) -> list:
-        """One step's outputs. A step that raises ends every request in error, not the server."""
+        """One step's outputs. A step that raises ends every request in error, not the server.
+        The outputs it made before the fault come first: a request they finished has left
+        engine.seqs, and would get no answer else."""
         try:
             return self.engine.step()
         except Exception as e:
             traceback.print_exc()
+            made, self.engine.committed = self.engine.committed, []
             failed = list(self.engine.seqs)
             for request_id in failed:
                 self.engine.abort_request(request_id)
-            return [EngineCoreOutput(request_id, None, finish_reason="error",
-                                     error=f"the engine failed: {e!r}") for request_id in failed]
+            return made + [EngineCoreOutput(request_id, None, finish_reason="error",
+                                            error=f"the engine failed: {e!r}")
+                           for request_id in failed]
 
     async def generate(self, requests: list):
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's

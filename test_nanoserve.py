@@ -433,6 +433,28 @@ def test_part_one_server_answers_the_openai_client(smol_llm):
         client.shutdown()
 
 
+def test_part_one_server_keeps_what_a_failed_step_finished(monkeypatch):
+    """Part one's server, at a step that raises in _commit after one request finished there:
+    that request gets its last output, and the others end in error; every block is back."""
+    client = ns.EngineCoreClient(server_config(part_one=True))
+    engine, step = client.engine, client.engine.step
+    for i, n in enumerate((1, 8)):
+        engine.add_request(ns.EngineCoreRequest(f"r{i}", [1, 2, 3], ns.SamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True)))
+
+    def failing_step():                 # the first row's output is made, then the fault
+        append = engine._append_token
+        monkeypatch.setattr(engine, "_append_token", lambda seq, *row: (
+            append(seq, *row) if seq.request_id == "r0" else 1 / 0))
+        return step()
+    monkeypatch.setattr(engine, "step", failing_step)
+    outputs = client._step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("r0", "length"),
+                                                                  ("r1", "error")]
+    assert outputs[0].token_id is not None and not engine.seqs
+    check_pool_is_free(engine)
+
+
 def test_async_scheduling_off_equals_on(smol_llm):
     """Without async scheduling each step is read back before the next is scheduled: the
     scheduler never sees a pending token, and greedy, seeded and drafting output are as with it."""
