@@ -41,18 +41,22 @@ assembled from them at the end of the file, where main, the CLI's entry, is too.
                                                                            Scheduler, EngineCore
     the burst rule              decodes wait at a burst of prompts         Scheduler
     speculative decoding        drafts by prompt lookup, checked at once   Sequence, Scheduler,
-                                                                           ModelRunner, EngineCore
-                                                                           (and a seam in Config)
-    structured output           grammars and tool calls                    Sequence, ModelRunner,
-                                                                           EngineCore (and seams)
-    log-probs and logit edits   log-probs; logit_bias and penalties        Sequence, ModelRunner,
-                                                                           EngineCore (and seams)
+                                                                           ModelRunner, EngineCore,
+                                                                           speed_line (and a seam
+                                                                           in Config)
+    log-probs and logit edits   log-probs; logit_bias and penalties        FrontEnd, OpenAIServer,
+                                                                           Sequence, ModelRunner,
+                                                                           EngineCore
+    structured output           grammars and tool calls                    FrontEnd, OpenAIServer,
+                                                                           Sequence, ModelRunner,
+                                                                           EngineCore
     tensor parallelism          the model cut over GPUs                    ModelRunner (and seams)
     fp8 weights                 e4m3 weights, a scale per row              (seams)
     fp8 KV cache                an e4m3 KV pool                            ModelRunner
                                                                            (and a seam in Config)
-    the rest of the OpenAI API  field tables, log-prob shapes, /metrics    (seams)
-    the Responses API           /v1/responses                              (seams)
+    the rest of the OpenAI API  field tables, API key, /metrics, errors    OpenAIServer,
+                                                                           EngineCoreClient
+    the Responses API           /v1/responses                              OpenAIServer
     faults                      a fault ends only the requests it touches  (seams)
 
 A chapter marked (seams) still enters part one through lines labelled "# chapter: NAME", which do
@@ -329,9 +333,11 @@ def rope_inv_freq(cfg: Config) -> torch.Tensor:
     old_len, factor = s["original_max_position_embeddings"], s["factor"]
     low, high = s["low_freq_factor"], s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq                       # (hd/2,) tokens per full turn
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)      # 0 at the low band, 1 at the high
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)  # long: stretched
+    # between the bands, a mix of the stretched and the kept frequency: smooth is 0 at the long
+    # band's edge (all stretched) and 1 at the short band's (all kept)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)  # (hd/2,) bool
     return torch.where(medium, blended, scaled).float()        # (hd/2,)
 
@@ -560,7 +566,9 @@ class BlockAllocator:
 # sequences go first. Skipping a decode would stall its stream for a whole step, and would save
 # only one token of the budget. An unfinished prefill takes a chunk of the budget. Waiting
 # sequences come next, in arrival order; a preempted one is first in line. They are admitted
-# while the budget, the seats (max_num_seqs) and the free blocks last.
+# while the budget, the seats (max_num_seqs) and the free blocks last. A prompt that does not fit
+# takes what is left of the budget as a chunk, and the budget is then spent: so a step holds at
+# most one unfinished prefill chunk, its last sequence.
 # When the pool runs dry, the latest admitted sequence is preempted: freed, and recomputed later.
 
 class Sequence:
@@ -678,9 +686,14 @@ class Scheduler:
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. Each step copies its
 # inputs into static buffers (self.buffers), allocated once at their largest, and the forward pass
-# reads them there. Three CUDA words. Pinned memory is host memory the GPU can copy from directly.
-# A non_blocking copy from it is queued on the stream, and the host goes on at once. A CUDA event,
-# recorded on the stream, marks a point in its queue; event.synchronize() waits for that point.
+# reads them there: a step's inputs take no new device memory, and always sit at the same
+# addresses. The calls, per step: launch -> prepare (_flatten the batch into host lists, then
+# put_step them into the buffers) -> forward -> head (the LM head's logits); then sample -> draw
+# -> copy_to_host, which EngineCore._read_back waits for. Before any step, __init__ sizes the KV
+# pool (allocate_kv_cache: on the GPU, what profile_peak_bytes leaves).
+# Three CUDA words. Pinned memory is host memory the GPU can copy from directly. A non_blocking
+# copy from it is queued on the stream, and the host goes on at once. A CUDA event, recorded on
+# the stream, marks a point in its queue; event.synchronize() waits for that point.
 
 @dataclass
 class StepInputs:
@@ -900,6 +913,8 @@ class ModelRunner:
 # ---------------------------------------------------------------------------
 # Engine core
 # The step loop: schedule, launch, read back, and hand each sampled token to its sequence. The
+# calls, per step: step -> _launch (Scheduler.schedule, ModelRunner.launch) -> ModelRunner.sample
+# -> _commit (_read_back waits for the tokens; _append_token each, and _finish_reason). The
 # engine core sees token ids only. Text, stop strings and all else per request live in the front
 # end (Requests in, text out). For LLM.generate it runs in the caller's thread; behind the server,
 # in a thread of its own (Server).
@@ -941,7 +956,7 @@ class EngineCore:
         self.scheduler = self.scheduler_class(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
         self.committed: list = []   # the step in progress's outputs, each as made (fail_running)
-        self.num_generated_tokens = 0                      # for /metrics
+        self.num_generated_tokens = 0                      # for stats()
 
     def add_request(self, request: EngineCoreRequest):
         """Queue a checked request (FrontEnd.validate) in waiting, for the scheduler to admit."""
@@ -959,6 +974,15 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def stats(self) -> dict:
+        """The engine's gauges, and its counters (the _total ones), by the names /metrics gives
+        them (less the nanoserve_ prefix). LLM.stats() and the server read these."""
+        a, s = self.allocator, self.scheduler
+        return dict(requests_running=len(s.running), requests_waiting=len(s.waiting),
+                    kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,
+                    generated_tokens_total=self.num_generated_tokens,
+                    preemptions_total=s.num_preemptions)
 
     def step(self) -> list:
         """One step, whole: schedule and launch it, sample it on the device, then read its tokens
@@ -1042,11 +1066,11 @@ class ChatTemplate:
         self.special_tokens = {k: t["content"] if isinstance(t, dict) else t
                                for k, t in tokens.items()}
 
-    def render(self, messages: list, tools: Optional[list] = None, tool_format="hermes") -> str:
+    def render(self, messages: list, tools: Optional[list] = None) -> str:
+        """The prompt text of the messages (and of the tools they may call, for a template that
+        renders tools)."""
         if self.template is None:
             raise ValueError("this model has no chat template: use /v1/completions")
-        if "tool" not in self.source:          # chapter: structured output (tools as text)
-            messages, tools = _tools_as_text(messages, tools, tool_format), None
         try:
             return self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                         **self.special_tokens)
@@ -1084,8 +1108,6 @@ class RequestState:
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
-        # chapter: the rest of the OpenAI API (the server's latency clock, for /metrics)
-        self.last_token_time, self.num_timed_tokens = None, 0
         self.queue = queue                # the server's: _deliver puts each change
 
     def take_delta(self, hold: int = 0) -> Delta:
@@ -1099,8 +1121,8 @@ class RequestState:
         return delta
 
 def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
-    """SamplingParams' own checks: a ValueError, naming the field first. Two also normalize:
-    a tiny temperature becomes 0, and logit_bias's keys become ints."""
+    """SamplingParams' own checks: a ValueError, naming the field first. One also normalizes: a
+    tiny temperature becomes 0."""
     least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt only
     if not isinstance(p.max_tokens, int) or p.max_tokens < least:
         raise ValueError(f"max_tokens must be an integer >= {least}, got {p.max_tokens!r}")
@@ -1114,8 +1136,6 @@ def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {p.top_k}")
     if p.seed is not None and (type(p.seed) is not int or not -2**63 <= p.seed < 2**64):
         raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1, got {p.seed!r}")
-    check_logit_params(p, vocab_size)                  # chapter: log-probs and logit edits
-    check_grammar(p.grammar)                                   # chapter: structured output
 
 class FrontEnd:
     """Text in, token ids to the engine core; token ids back, text out."""
@@ -1125,9 +1145,6 @@ class FrontEnd:
         self.tokenizer, tokenizer_config = load_tokenizer(cfg.model)
         self.chat_template = ChatTemplate(tokenizer_config)
         self.states: dict[str, RequestState] = {}    # unfinished requests by id
-        # chapter: structured output (how the model writes a call; a JSON schema's grammar)
-        self.tool_call_format, self.tool_call_token = read_tool_calls(self)
-        self.grammar = functools.lru_cache(maxsize=256)(functools.partial(compile_grammar, self))
 
     # -- requests in --
     def encode(self, prompt, add_special_tokens: bool = True) -> list:
@@ -1273,7 +1290,7 @@ class LLM:
         return states
 
     def stats(self) -> dict:
-        return engine_stats(self.engine)       # chapter: the rest of the OpenAI API
+        return self.engine.stats()
 
     def close(self):
         """Release what the engine holds beyond its memory (ModelRunner.close)."""
@@ -1282,23 +1299,26 @@ class LLM:
 # ---------------------------------------------------------------------------
 # Server
 # An OpenAI-compatible HTTP API on Starlette, read in the order a request takes. The event loop's
-# thread runs the handlers. One (OpenAIServer.completions or .chat) reads the body's fields, and
-# tokenizes in a worker thread, off the loop. The engine core steps in a thread of its own,
+# thread runs the handlers. One (OpenAIServer.completions or .chat) reads the body's fields
+# (read_fields), makes a SamplingParams per choice (sampling_params), and tokenizes in a worker
+# thread, off the loop. The engine core steps in a thread of its own,
 # reached through the EngineCoreClient. Its generate(choices) sends a request's choices there,
 # and yields a choice's RequestState each time it changes; closing it early aborts what still
 # runs. _respond hands those states to the endpoint's response shape (_Shape). The shape's
 # chunks go out as server-sent events (SSE: a `data: ...` line each, through Starlette's
 # StreamingResponse) or fold into one body (_Shape.body). The calls, in order: completions or
 # chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream or shape.body.
+# (OpenAI's terms: a choice is one of the n answers a request asks for; a chunk is one piece of
+# a streamed answer; usage counts a request's prompt and completion tokens.)
 # With n = 2, _respond makes two choices (prompt ids, SamplingParams), generate makes a
 # RequestState of each on one queue, and body folds each choice's chunks by its index (_fold).
 # A client that leaves mid-stream: its StreamingResponse cancels the stream. The CancelledError
 # is raised where client.generate waits on its queue, and rises out through shape.chunks and
 # shape.stream. generate's `finally` queues the aborts (_abort), _run applies them before its
-# next step (abort_request), and Scheduler.finish frees the blocks. A body asks after each chunk
-# whether its client is gone (_Shape.body). What a client sees of a chat request with "stream":
-# true, an SSE event a line (id,
-# created, model and "logprobs": null left out):
+# next step (abort_request), and Scheduler.finish frees the blocks. No one cancels a body's
+# handler, so it asks at each state whether its client is gone (_until_gone). What a client sees
+# of a chat request with "stream": true, an SSE event a line (id, created, model and "logprobs":
+# null left out):
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
 #            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
@@ -1316,7 +1336,8 @@ class EngineCoreClient:
     sends a request's choices into `outgoing` and yields their states as they change. _deliver,
     on the event loop, hands each step's outputs to their requests' queues. It knows no HTTP: a
     failed request ends with finish_reason "error"."""
-    front_class = FrontEnd            # the default engine's, set at the end of the file
+    # the default engine's front end and server (an OpenAIServer), set at the end of the file
+    front_class, server_class = FrontEnd, None
 
     def __init__(self, cfg: Config):
         self.outgoing = queue.SimpleQueue()  # to the engine core: lists of requests or aborts
@@ -1324,14 +1345,13 @@ class EngineCoreClient:
         num_blocks = self.start_engine_core(cfg)
         front_class = FrontEnd if cfg.part_one else self.front_class
         self.front = front_class(cfg, num_blocks)      # the pool bounds a request
-        self.metrics = ServerMetrics(self)        # chapter: the rest of the OpenAI API (/metrics)
 
     def start_engine_core(self, cfg: Config) -> int:
         """Build the engine core, here; return its pool's size in blocks."""
         self.engine = EngineCore(cfg)
         return self.engine.allocator.num_blocks
 
-    stats = property(lambda self: engine_stats(self.engine))   # chapter: the rest of the OpenAI API
+    stats = property(lambda self: self.engine.stats())
 
     def start(self, loop: asyncio.AbstractEventLoop):
         """With the event loop (the app's lifespan): start stepping."""
@@ -1403,14 +1423,14 @@ class EngineCoreClient:
         if request_ids and not self.error:
             self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
 
-    def _deliver(self, outputs: list):
-        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues."""
+    def _deliver(self, outputs: list) -> list:
+        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues.
+        Returns the requests' states it handed on."""
         states, stopped = self.front.process(outputs)
         self._abort(stopped)
-        now = time.perf_counter()                          # one clock reading for the whole batch
         for state in states:
-            self.metrics.observe(state, now)      # chapter: the rest of the OpenAI API (/metrics)
             state.queue.put_nowait(state)
+        return states
 
 
 class APIError(Exception):
@@ -1423,57 +1443,100 @@ class APIError(Exception):
 
 class OpenAIServer:
     """The routes over one EngineCoreClient; its handlers run on the server's event loop."""
+    # The fields each endpoint reads, with the JSON type each must have (a number: int or float).
+    fields = {"completions": dict(model=str, prompt=(str, list), max_tokens=int,
+                                  temperature=(int, float), top_p=(int, float), top_k=int,
+                                  seed=int, n=int, ignore_eos=bool, stream=bool,
+                                  stream_options=dict)}
+    fields["chat"] = {**fields["completions"], "messages": list, "max_completion_tokens": int}
+    del fields["chat"]["prompt"]
+
     def __init__(self, client: EngineCoreClient, cfg: Config):
         self.client, self.front, self.cfg = client, client.front, cfg
         self.model_name = Path(cfg.model).name             # what clients pass as 'model'
 
+    def app(self) -> Starlette:
+        """The app. Its lifespan starts the client stepping; an APIError is answered in OpenAI's
+        shape."""
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.client.start(asyncio.get_running_loop())   # outputs come to this event loop
+            yield
+
+        async def error(request: Request, e: APIError) -> Response:
+            return JSONResponse(e.body, status_code=e.status)
+        return Starlette(routes=self.routes(), lifespan=lifespan,
+                         exception_handlers={APIError: error})
+
     def routes(self) -> list:
-        # chapter: the rest of the OpenAI API (keyed: the API key; /v1/models, /metrics)
         return [Route("/health", self.health),
-                Route("/v1/completions", keyed(self, self.completions), methods=["POST"]),
-                Route("/v1/chat/completions", keyed(self, self.chat), methods=["POST"]),
-                *api_routes(self)]
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"])]
 
     async def health(self, request: Request) -> Response:
         return PlainTextResponse(self.client.error or "ok", 503 if self.client.error else 200)
 
     # -- a request's way: its handler, then _respond --
+    async def read_fields(self, request: Request, endpoint: str) -> dict:
+        """The JSON body's fields, each of the type `fields` gives (a JSON null is absent). A field
+        not in the table is refused, never ignored: it might have changed the output."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:                            # bad JSON or bad UTF-8
+            raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        spec = self.fields[endpoint]
+        for name, value in body.items():
+            if name not in spec:
+                raise APIError(400, f"part one's engine (--part-one) has no {name}: it reads "
+                                    f"{', '.join(spec)}", param=name)
+            # true is an int in Python, but not in JSON
+            if value is not None and (not isinstance(value, spec[name])
+                                      or isinstance(value, bool) != (spec[name] is bool)):
+                raise APIError(400, f"'{name}' is not of the JSON type it must have: got "
+                                    f"{json.dumps(value)[:40]}", param=name)
+        return {name: value for name, value in body.items() if value is not None}
+
     async def completions(self, request: Request) -> Response:
-        # chapter: the rest of the OpenAI API (the JSON body; each field checked by its table)
-        f = parse_fields(await read_body(self, request), COMPLETION_FIELDS)
-        prompts, num_top, echo = f["prompt"], f.get("logprobs"), f.get("echo")
-        # max_tokens 0 (echo, to score the prompt) still samples a token. The engine core drops it.
-        grammar = await request_grammar(self, f.get("response_format")) # chapter: structured output
-        params = parse_sampling_params(f, f.get("max_tokens", 16), num_top,
-                                       num_top if echo else None, grammar)
+        f = await self.read_fields(request, "completions")
+        prompt = f.get("prompt")
+        if not prompt:
+            raise APIError(400, "'prompt' is required", param="prompt")
+        # one prompt (text or token ids), or a list of them
+        prompts = [prompt] if isinstance(prompt, str) or type(prompt[0]) is int else prompt
         prompt_ids = [await self._encode(p) for p in prompts]
-        shape = _CompletionShape(self, prompts, prompt_ids, num_top, echo, len(params))
+        params = await self.sampling_params(f, f.get("max_tokens", 16))
+        shape = self.completion_shape(f, prompts, prompt_ids, len(params))
         return await self._respond(request, f, shape, prompt_ids, params)
 
     async def chat(self, request: Request) -> Response:
-        # chapter: the rest of the OpenAI API (the JSON body; each field checked by its table)
-        return await self.answer_chat(request, parse_fields(await read_body(self, request),
-                                                            CHAT_FIELDS))
+        f = await self.read_fields(request, "chat")
+        if not (f.get("messages") and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                          and isinstance(m.get("content"), str)
+                                          for m in f["messages"])):
+            raise APIError(400, "'messages' must be a non-empty list of objects with a string "
+                                "'role' and 'content'", param="messages")
+        return await self.answer_chat(request, f)
 
-    async def answer_chat(self, request: Request, f: dict, reshape=None) -> Response:
-        """A chat request's checked fields f, answered. reshape: chapter: the Responses API."""
+    async def answer_chat(self, request: Request, f: dict) -> Response:
+        """A chat request's checked fields f, answered (an endpoint that stands for a chat
+        request answers through here too)."""
         try:
-            text = self.front.chat_template.render(f["messages"], f.get("tools"),
-                                                   self.front.tool_call_format)
+            text = self.chat_text(f)
         except ValueError as e:
             raise APIError(400, str(e), param="messages")
         # the template has written the special tokens: encode must not add its own
         prompt_ids = await self._encode(text, add_special_tokens=False)
         room = max(1, self.cfg.max_model_len - len(prompt_ids))  # default: the whole rest
-        num_top = f.get("top_logprobs", 0) if f.get("logprobs") else None
-        # chapter: structured output (the grammar of tool calls or response_format, if asked)
-        grammar, fmt = await chat_grammar(self, f)
-        params = parse_sampling_params(f, f.get("max_completion_tokens", f.get("max_tokens", room)),
-                                       num_top, grammar=grammar)
-        shape = _ChatShape(self, len(prompt_ids), num_top) if fmt is None else \
-            tool_call_shape(self, f, fmt, len(prompt_ids), num_top)   # chapter: structured output
-        shape = reshape(shape) if reshape else shape    # chapter: the Responses API (None: chat)
+        params = await self.sampling_params(
+            f, f.get("max_completion_tokens", f.get("max_tokens", room)))
+        shape = self.chat_shape(f, len(prompt_ids))
         return await self._respond(request, f, shape, [prompt_ids], params)
+
+    def chat_text(self, f: dict) -> str:
+        """The prompt a chat request's messages make: the model's chat template, rendered."""
+        return self.front.chat_template.render(f["messages"])
 
     async def _encode(self, prompt, add_special_tokens: bool = True) -> list:
         """Token ids of a prompt; text is tokenized in a thread, off the event loop."""
@@ -1484,10 +1547,27 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param="prompt")
 
+    async def sampling_params(self, f: dict, max_tokens: int) -> list:
+        """One SamplingParams per choice (n of them). Choice i seeds seed + i: n different,
+        reproducible choices."""
+        n, seed = f.get("n", 1), f.get("seed")
+        if not 1 <= n <= 128:
+            raise APIError(400, "'n' must be in [1, 128] (OpenAI's)", param="n")
+        shared = {k: f[k] for k in ("temperature", "top_p", "top_k", "ignore_eos") if k in f}
+        return [SamplingParams(**shared, max_tokens=max_tokens,
+                               seed=None if seed is None else (seed + i) % 2**64)
+                for i in range(n)]
+
+    def completion_shape(self, f: dict, prompts: list, prompt_ids: list, n: int) -> _Shape:
+        return _CompletionShape(self, f, sum(map(len, prompt_ids)))
+
+    def chat_shape(self, f: dict, num_prompt_tokens: int) -> _Shape:
+        return _ChatShape(self, f, num_prompt_tokens)
+
     async def _respond(self, request: Request, f: dict, shape: _Shape, prompt_ids: list,
                        params: list) -> Response:
         choices = [(ids, p) for ids in prompt_ids for p in params]   # index = prompt * n + choice
-        try:   # every choice, each its own checks: they also normalize (logit_bias's keys to ints)
+        try:   # every choice, each its own checks: they also normalize (a tiny temperature to 0)
             for ids, p in choices:
                 self.front.validate(ids, p)
         except ValueError as e:
@@ -1496,26 +1576,23 @@ class OpenAIServer:
         if self.client.error:
             raise APIError(503, self.client.error, "internal_error")
         # Lazy: the engine core sees nothing until the stream or the body reads the first state
-        chunks = shape.chunks(self.client.generate(choices), len(choices))
+        states = self.client.generate(choices)
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
+            chunks = shape.chunks(states, len(choices))
             return StreamingResponse(shape.stream(chunks, include_usage), headers=_SSE_HEADERS)
-        body = await shape.body(chunks, request)
-        return Response(status_code=499) if body is None else JSONResponse(body)
+        return JSONResponse(await shape.body(shape.chunks(_until_gone(states, request),
+                                                          len(choices))))
 
-# the API's sampling fields that carry SamplingParams' own names and defaults
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "ignore_eos", "logit_bias",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty")
-
-def parse_sampling_params(f: dict, max_tokens: int, logprobs: Optional[int],
-                          prompt_logprobs: Optional[int] = None, grammar=None) -> list:
-    """One SamplingParams per choice. Choice i seeds seed + i: n different, reproducible choices."""
-    shared = {k: v for k, v in f.items() if k in _SAMPLING_FIELDS}
-    seed = f.get("seed")
-    return [SamplingParams(**shared, max_tokens=max_tokens, stop=f["stop"], logprobs=logprobs,
-                           prompt_logprobs=prompt_logprobs, grammar=grammar,
-                           seed=None if seed is None else (seed + i) % 2**64)
-            for i in range(f.get("n", 1))]
+async def _until_gone(states, request: Request):
+    """A body's states, until its client hangs up. Uvicorn does not cancel a handler whose client
+    left (as a StreamingResponse cancels its stream), so each state asks first. Closing this
+    closes `states`, whose `finally` aborts what still runs (EngineCoreClient.generate)."""
+    async with contextlib.aclosing(states):
+        async for state in states:
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection")
+            yield state
 
 # -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
 _to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
@@ -1531,12 +1608,11 @@ def _sse(data: str) -> str:
 
 
 class _Shape:
-    """A response of any endpoint: its id, envelopes and chunks."""
+    """A response of any endpoint: its id, envelopes and chunks. f: the request's fields."""
     id_prefix, object, chunk_object = "", "", ""
-    hold = False                      # chapter: structured output (True: all at the end)
 
-    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs: Optional[int]):
-        self.server, self.num_top_logprobs = server, num_top_logprobs
+    def __init__(self, server, f: dict, num_prompt_tokens: int):
+        self.server, self.f = server, f
         self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
         self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
 
@@ -1552,25 +1628,23 @@ class _Shape:
                                   "total_tokens": n + m}} if usage else body
 
     async def chunks(self, states, n: int):
-        """The choices to send: the openings, one per Delta with news, then `last`'s (the end)."""
+        """The choices to send: the openings, then those of each Delta (delta_chunks)."""
         async with contextlib.aclosing(states):
             for choice in [c for i in range(n) for c in self.opening(i)]:
                 yield choice
             async for state in states:
-                if self.hold and state.finish_reason is None:   # all of it, at the end
-                    yield None                  # nothing to send; body asks if the client left
-                    continue
                 d = state.take_delta()
                 if d.finish_reason == "error":
                     raise APIError(500, state.error, "internal_error")
                 self.num_completion_tokens += len(d.token_ids)
-                # news: text, or a token whose text is held back, which still has log-probs
-                if d.text or (self.num_top_logprobs is not None and d.token_ids):
-                    choice = self.choice(d)
-                    if choice.get("delta") != {} or choice["logprobs"]:   # else nothing to say
-                        yield choice | {"finish_reason": None}   # that is the last chunk's to say
-                if d.finish_reason is not None:   # (an echo not sent yet goes with it)
-                    yield self.last(state, d)
+                for choice in self.delta_chunks(state, d):
+                    yield choice
+
+    def delta_chunks(self, state: RequestState, d: Delta) -> list:
+        """One Delta's chunks: its new text, if any (the finish_reason is the last chunk's to
+        say), then at the end the last chunk (an echo not sent yet goes with it)."""
+        news = [self.choice(d) | {"finish_reason": None}] if d.text else []
+        return news + ([self.last(state, d)] if d.finish_reason is not None else [])
 
     def last(self, state: RequestState, d: Delta) -> dict:
         """The chunk that carries the finish_reason."""
@@ -1583,8 +1657,7 @@ class _Shape:
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
-                    if choice is not None:
-                        yield _sse(f"{head}{_to_json(choice)}]}}")
+                    yield _sse(f"{head}{_to_json(choice)}]}}")
                 if include_usage:
                     yield _sse(_to_json(self.envelope(self.chunk_object, [], usage=True)))
             except Exception as e:            # an APIError as it is; a bug logged, in one line
@@ -1594,39 +1667,25 @@ class _Shape:
                 yield _sse(_to_json(e.body))
         yield _sse("[DONE]")
 
-    async def body(self, chunks, request: Request) -> Optional[dict]:
+    async def body(self, chunks) -> dict:
         """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
-        the whole "message". None if the client hangs up first: uvicorn does not cancel a handler
-        whose client left, so each chunk asks, and closing `chunks` aborts the request."""
+        the whole "message"."""
         choices = {}                                       # index -> the whole choice so far
         async with contextlib.aclosing(chunks):
             async for choice in chunks:
-                if await request.is_disconnected():
-                    return None
-                if choice is not None:
-                    _fold(choices.setdefault(choice["index"], {}), choice)
+                _fold(choices.setdefault(choice["index"], {}), choice)
         for c in choices.values():
             if "delta" in c:
                 c["message"] = c.pop("delta")
         return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
 
 class _CompletionShape(_Shape):
-    """The legacy completions shape: `echo` puts each prompt before its choices' text and, with
-    `logprobs`, its tokens' log-probs before theirs (null for the first, which nothing predicts)."""
+    """The legacy completions shape: a choice's text."""
     id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, server, prompts: list, prompt_ids: list, num_top_logprobs, echo, n: int):
-        super().__init__(server, sum(map(len, prompt_ids)), num_top_logprobs)
-        self.echoes = [(p if isinstance(p, str) else server.front.decode(ids), ids) if echo
-                       else None for p, ids in zip(prompts, prompt_ids)]  # (text, ids) or None
-        self.n, self.offsets = n, {}          # choice -> text_offset of its next token
-
     def choice(self, d: Delta) -> dict:
-        echo = self.echoes[d.index // self.n] if d.index not in self.offsets else None
-        self.offsets.setdefault(d.index, 0)
-        logprobs = completion_logprobs(self, d, echo)      # chapter: the rest of the OpenAI API
-        return {"index": d.index, "text": echo[0] + d.text if echo else d.text,
-                "logprobs": logprobs, "finish_reason": d.finish_reason}
+        return {"index": d.index, "text": d.text, "logprobs": None,
+                "finish_reason": d.finish_reason}
 
 class _ChatShape(_Shape):
     """The chat shape: a stream sends a choice's role, then its deltas, then its finish_reason."""
@@ -1639,8 +1698,7 @@ class _ChatShape(_Shape):
 
     def choice(self, d: Delta) -> dict:
         return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
-                "logprobs": chat_logprobs(self, d),       # chapter: the rest of the OpenAI API
-                "finish_reason": d.finish_reason}
+                "logprobs": None, "finish_reason": d.finish_reason}
 
 def _fold(whole: dict, chunk: dict):
     """Fold a chunk into the whole, key by key. Strings and lists concatenate, objects fold alike,
@@ -1662,17 +1720,9 @@ def _fold(whole: dict, chunk: dict):
 
 # -- the app --
 def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
-    """The app over a running engine core. With cfg.api_key set, /v1/* needs it."""
-    server = OpenAIServer(client, cfg)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        client.start(asyncio.get_running_loop())   # the engine core's outputs come to this loop
-        yield
-
-    # chapter: the rest of the OpenAI API (error_response: every error in OpenAI's shape)
-    return Starlette(routes=server.routes(), lifespan=lifespan, exception_handlers={
-        kind: error_response for kind in (APIError, HTTPException, Exception)})
+    """The app over a running engine core: the default server's (client.server_class), or with
+    part_one part one's OpenAIServer."""
+    return (OpenAIServer if cfg.part_one else client.server_class)(client, cfg).app()
 
 def serve(cfg: Config, client_class=EngineCoreClient):
     """Serve the API until stopped. client_class: part one's EngineCoreClient, or the default
@@ -1729,7 +1779,21 @@ def run_generate(cfg: Config, prompt: str, params: SamplingParams):
     for _ in llm.run():
         print(state.take_delta().text, end="", flush=True)
     print()
-    _progress(speed_line(llm, state), end=True)      # chapter: the rest of the OpenAI API
+    _progress(speed_line(llm, state), end=True)
+
+def speed_line(llm: LLM, state: RequestState) -> str:
+    """What `generate` prints on stderr after its answer: the tokens, the seconds from the
+    request's arrival to its end, when the first token came, and the decode speed. The first
+    token waits for the prompt's prefill, and in a fresh process for the warm-up too (the first
+    launch of each kernel). So the decode speed leaves it out: the tokens after the first, over
+    the time after it."""
+    n, start, first = len(state.token_ids), state.arrival_time, state.first_token_time
+    line = f"{n} tokens in {state.finish_time - start:.2f} s"
+    if n:
+        line += f" (first token after {first - start:.2f} s)"
+    if n > 1:
+        line += f", decode {(n - 1) / (state.finish_time - first):.1f} tok/s"
+    return line
 
 def ensure_default_model(model: str):
     """The default model is made on first use (download.py converts it)."""
@@ -2009,7 +2073,7 @@ class CUDAGraphRunner(ModelRunner):
 class EngineCoreOutputs:
     """What one turn of the engine core's loop sends back: a step's outputs, or none."""
     outputs: list                     # EngineCoreOutput: one per token kept, one per failure
-    stats: dict                       # engine_stats after the step (for /metrics)
+    stats: dict                       # EngineCore.stats() after the step (for /metrics)
 
 def run_engine_core(cfg: Config, inbox, outbox, setup=None):
     """The engine core process's main thread. It owns the scheduler, the BlockAllocator, the
@@ -2027,9 +2091,8 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
         return
     # The outputs go out through one worker thread, in order: the step loop never waits on the
     # server (with both pipes full, the two processes would wait on each other).
-    # (engine_stats, here and below: chapter: the rest of the OpenAI API)
     sender = ThreadPoolExecutor(max_workers=1)
-    sender.submit(outbox.send, EngineCoreOutputs([], engine_stats(core)))   # ready; no server: safe
+    sender.submit(outbox.send, EngineCoreOutputs([], core.stats()))   # ready; no server: safe
     while True:
         try:   # block only when idle; while sequences run, take what has arrived
             messages = [] if core.has_unfinished() else [inbox.recv()]
@@ -2054,7 +2117,7 @@ def run_engine_core(cfg: Config, inbox, outbox, setup=None):
             except Exception as e:            # fails the running requests, not the process
                 traceback.print_exc()
                 outputs += fail_running(core, e)            # chapter: faults
-        sender.submit(outbox.send, EngineCoreOutputs(outputs, engine_stats(core))) # gone: EOF above
+        sender.submit(outbox.send, EngineCoreOutputs(outputs, core.stats())) # gone: EOF above
         exit_on_failed_step(core.runner.workers, sender)      # chapter: tensor parallelism
 
 # -- the server's end of the pipes: start, send, receive, stop --
@@ -2062,7 +2125,7 @@ class EngineCoreProcessClient(EngineCoreClient):
     """Part one's client, with the engine core in a process of its own. Its requests and aborts
     go from `outgoing` into the inbox pipe (_send_all), and its outputs come back with its stats
     (receive_outputs). setup(core), if given, runs in that process first (tests inject faults)."""
-    stats = None                           # engine_stats, as the engine core last sent them
+    stats = None                           # EngineCore.stats(), as the engine core last sent
 
     def __init__(self, cfg: Config, setup=None):
         self.setup = setup
@@ -2337,6 +2400,14 @@ class PrefixCachingScheduler(Scheduler):
         super().finish(seq, reason)
 
 class PrefixCachingEngineCore(EngineCore):
+    def stats(self) -> dict:
+        s = self.scheduler
+        return super().stats() | dict(
+            kv_blocks_cached=len(self.allocator.evictable),   # free, but their prefix kept
+            prompt_tokens_total=s.num_prompt_tokens,          # admitted, and of those cached
+            prefix_cache_hit_tokens_total=s.num_cached_tokens,
+            prefix_cache_hit_rate=s.num_cached_tokens / max(1, s.num_prompt_tokens))
+
     def _commit(self, step: LaunchedStep):
         super()._commit(step)
         for seq in step.batch.seqs:
@@ -2570,9 +2641,6 @@ class Speculation:
             del seq.block_table[num_blocks:]
         return sampled[:num_kept + 1]
 
-    empty_stats = dict(spec_decode_num_draft_tokens_total=0,
-                       spec_decode_num_accepted_tokens_total=0)
-
     def stats(self) -> dict:
         return dict(spec_decode_num_draft_tokens_total=self.num_draft_tokens,
                     spec_decode_num_accepted_tokens_total=self.num_accepted_tokens)
@@ -2636,7 +2704,23 @@ class SpeculativeRunner(AsyncRunner):
         follow_accepted_drafts(self, batch, self.pending, self.prev)
         return inputs
 
+def with_drafts_accepted(speed_line):
+    """generate's speed line (part one's speed_line), with drafts on ending in the share of the
+    drafts accepted."""
+    def line(llm: LLM, state: RequestState) -> str:
+        if llm.front.cfg.num_speculative_tokens == 0:
+            return speed_line(llm, state)
+        stats = llm.stats()
+        drafted = stats["spec_decode_num_draft_tokens_total"]
+        accepted = stats["spec_decode_num_accepted_tokens_total"]
+        return (f"{speed_line(llm, state)}, {accepted} of {drafted} drafts accepted "
+                f"({accepted / max(1, drafted):.0%})")
+    return line
+
 class SpeculativeEngineCore(AsyncEngineCore):
+    def stats(self) -> dict:
+        return super().stats() | self.scheduler.speculation.stats()
+
     def _read_back(self, step: LaunchedStep):
         """Of each drafting sequence's sampled rows, those it keeps (Speculation.kept_rows)."""
         rows = super()._read_back(step)
@@ -2654,6 +2738,213 @@ class SpeculativeEngineCore(AsyncEngineCore):
         return prev
 
 # ---------------------------------------------------------------------------
+# Chapter: log-probs and logit edits
+# Three things a request may ask of the sampler beyond its draw. Log-probs: the model's own
+# log-probability of each sampled token and of the k likeliest, as the OpenAI API reports them
+# (before any edit, temperature or top-p). Prompt log-probs: the same for each prompt token,
+# which runs the LM head over the prompt's rows. Logit edits: logit_bias, and the presence,
+# frequency and repetition penalties, which read the tokens so far. They apply as sparse edits at
+# (row, token) entries, never as a dense (B, V) bias (pa.apply_logit_edits).
+# The server reads the fields (LogprobsServer) and writes the log-probs in each endpoint's shape.
+# Extends: FrontEnd (validate: check_logit_params), Sequence (its prompt log-probs so far),
+# ModelRunner (head: the prompt log-probs; draw: the edits; sample: the log-probs, copied back
+# after the tokens), EngineCore (_append_token reports them), OpenAIServer (sampling_params;
+# completion_shape and chat_shape, with completions' echo). A seam: reuse_cached_prefix (a
+# request for prompt log-probs computes every prompt row).
+
+def check_logit_params(p: SamplingParams, vocab_size: float):
+    """The ranges of this chapter's SamplingParams fields; logit_bias's keys made ints."""
+    for name, lo, hi in [("logprobs", 0, 20), ("prompt_logprobs", 0, 20),
+                         ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)]:
+        if getattr(p, name) is not None and not lo <= getattr(p, name) <= hi:
+            raise ValueError(f"{name} must be in [{lo}, {hi}], got {getattr(p, name)}")
+    if not 0 < p.repetition_penalty < math.inf:
+        raise ValueError(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    try:        # JSON object keys are strings: {"1234": -100}
+        p.logit_bias = {int(t): float(b) for t, b in (p.logit_bias or {}).items()}
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        p.logit_bias = {-1: 0.0}                        # refused just below
+    if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in p.logit_bias.items()):
+        raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
+
+class LogprobsFrontEnd(FrontEnd):
+    def validate(self, prompt_ids: list, params: SamplingParams):
+        super().validate(prompt_ids, params)
+        check_logit_params(params, self.cfg.vocab_size)
+
+class LogprobsSequence(Sequence):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.prompt_logprobs: list = []   # (logprob, {token_id: logprob}) per prompt token so far
+
+class LogprobsRunner(ModelRunner):
+    def head(self, batch: ScheduledBatch, inputs: StepInputs, hidden) -> LaunchedStep:
+        compute_prompt_logprobs(self, batch, hidden)      # the common case: none asked, no sync
+        return super().head(batch, inputs, hidden)
+
+    def draw(self, logits, step: LaunchedStep) -> torch.Tensor:
+        """Part one's draw from the logits with each row's bias and penalties applied, in fp32
+        (a new tensor: the log-probs read the model's own); the logits as they are if no row has
+        any."""
+        edits = logit_edits(step.seqs, self.device)
+        if edits is not None:
+            logits = pa.apply_logit_edits(logits.float(), edits)
+        return super().draw(logits, step)
+
+    def sample(self, step: LaunchedStep):
+        """Part one's sample, then the log-probs of the rows' tokens if any row asks: they go into
+        step.host after the tokens, the row's (chosen, top values, top ids)."""
+        super().sample(step)
+        k = max((s.params.logprobs for s in step.seqs if s.params.logprobs is not None),
+                default=None)
+        if k is not None and step.tokens is not None:
+            self.copy_to_host(step, *sampled_logprobs(step.logits, step.tokens, k))
+
+def sampled_logprobs(logits, tokens, k: int) -> tuple:   # (B, V), (B,)
+    """The sampled tokens' log-probs (B,) and the top k values and ids (B, k), from the model's
+    own logits, before edits, temperature and top-p."""
+    logp = logits.float().log_softmax(dim=-1)              # (B, V) fp32
+    top = logp.topk(k, dim=-1)                             # (B, k) values and indices
+    return logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices
+
+def logit_edits(seqs: list, device) -> Optional[tuple]:
+    """pa.apply_logit_edits' entries (pa.logit_edit_entries) for the rows with a bias or a
+    penalty, from every token so far; None if no row has any."""
+    rows = [(row, seq.token_ids, seq.num_prompt_tokens, seq.params)
+            for row, seq in enumerate(seqs)
+            if seq.params.logit_bias or seq.params.needs_output_history]
+    return pa.logit_edit_entries(rows, device) if rows else None
+
+def compute_prompt_logprobs(runner: ModelRunner, batch: ScheduledBatch, hidden):  # (N_tok, D)
+    """Append to each sequence that asks the entries of the prompt tokens it predicts."""
+    if all(s.params.prompt_logprobs is None for s in batch.seqs):
+        return                      # the common case: no LM head, no host sync
+    C = runner.cfg.max_num_seqs       # rows per LM-head call: the sampler's memory budget
+    for seq, rows in zip(batch.seqs, hidden.split(batch.num_new_tokens)):   # (n, D) each
+        k, start = seq.params.prompt_logprobs, seq.num_computed_tokens
+        a = max(start, len(seq.prompt_logprobs))       # a preempted sequence recomputes
+        b = min(start + len(rows), seq.num_prompt_tokens - 1)  # row i predicts token i + 1
+        if k is None or a >= b:
+            continue
+        targets = pa.to_device(runner.device, seq.token_ids[a + 1:b + 1], torch.int64)  # (T,)
+        for h, t in zip(rows[a - start:b - start].split(C), targets.split(C)):
+            logp = runner.model.compute_logits(h).float().log_softmax(dim=-1)  # (C, V)
+            top, chosen = logp.topk(k, dim=-1), logp.gather(1, t[:, None])[:, 0]
+            seq.prompt_logprobs += [(lp, dict(zip(i, v))) for lp, i, v in zip(
+                chosen.tolist(), top.indices.tolist(), top.values.tolist())]
+
+class LogprobsEngineCore(EngineCore):
+    def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
+        """Part one's, and into its output the token's log-prob and seq's top k, if it asked
+        (logprobs: the token's row, (chosen, top values, top ids), if the step computed any);
+        with its first token, its prompt's log-probs."""
+        out = super()._append_token(seq, token)
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
+        k = seq.params.logprobs
+        if out.token_id is not None and logprobs and k is not None:
+            chosen, top_values, top_ids = logprobs
+            out.logprobs = (chosen, dict(zip(top_ids[:k], top_values[:k])))
+        return out
+
+# -- the server's half: the fields read, and log-probs in each endpoint's shape --
+def num_top_logprobs(f: dict) -> Optional[int]:
+    """The top log-probs a request asks per token (None: no log-probs): completions' "logprobs": k,
+    or chat's "logprobs": true with "top_logprobs": k."""
+    if "messages" in f:
+        return f.get("top_logprobs", 0) if f.get("logprobs") else None
+    return f.get("logprobs")
+
+class LogprobsServer(OpenAIServer):
+    """The handlers with log-probs, logit_bias and the penalties, and completions' echo."""
+    async def sampling_params(self, f: dict, max_tokens: int) -> list:
+        # echo with max_tokens 0 scores the prompt: one token is still sampled, which the engine
+        # core drops
+        k, edits = num_top_logprobs(f), {name: f[name] for name in _LOGIT_EDIT_FIELDS if name in f}
+        return [dataclasses.replace(p, logprobs=k, prompt_logprobs=k if f.get("echo") else None,
+                                    **edits) for p in await super().sampling_params(f, max_tokens)]
+
+    def completion_shape(self, f: dict, prompts: list, prompt_ids: list, n: int) -> _Shape:
+        return LogprobsCompletionShape(self, f, prompts, prompt_ids, n)
+
+    def chat_shape(self, f: dict, num_prompt_tokens: int) -> _Shape:
+        return LogprobsChatShape(self, f, num_prompt_tokens)
+
+_LOGIT_EDIT_FIELDS = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+class _HeldTextLogprobs:
+    """A shape's chunks, where a token whose text is held back still sends its log-probs."""
+    num_top_logprobs = property(lambda self: num_top_logprobs(self.f))
+
+    def delta_chunks(self, state: RequestState, d: Delta) -> list:
+        chunks = super().delta_chunks(state, d)
+        if not d.text and d.token_ids and self.num_top_logprobs is not None:
+            chunks.insert(0, self.choice(d) | {"finish_reason": None})
+        return chunks
+
+class LogprobsCompletionShape(_HeldTextLogprobs, _CompletionShape):
+    """The completions shape with log-probs and echo. `echo` puts each prompt before its choices'
+    text and, with `logprobs`, its tokens' log-probs before theirs (null for the first, which
+    nothing predicts). An echo not sent yet goes with the last chunk."""
+    def __init__(self, server, f: dict, prompts: list, prompt_ids: list, n: int):
+        super().__init__(server, f, sum(map(len, prompt_ids)))
+        self.echoes = [(p if isinstance(p, str) else server.front.decode(ids), ids)
+                       if f.get("echo") else None
+                       for p, ids in zip(prompts, prompt_ids)]   # (text, ids) or None
+        self.n, self.offsets = n, {}          # choice -> text_offset of its next token
+
+    def choice(self, d: Delta) -> dict:
+        echo = self.echoes[d.index // self.n] if d.index not in self.offsets else None
+        self.offsets.setdefault(d.index, 0)
+        return {"index": d.index, "text": echo[0] + d.text if echo else d.text,
+                "logprobs": completion_logprobs(self, d, echo), "finish_reason": d.finish_reason}
+
+class LogprobsChatShape(_HeldTextLogprobs, _ChatShape):
+    def choice(self, d: Delta) -> dict:
+        return super().choice(d) | {"logprobs": chat_logprobs(self, d)}
+
+# -- log-probs in each endpoint's shape (JSON has no -inf: clamped to -9999) --
+def token_text(server: OpenAIServer, token: int) -> str:
+    tokenizer = server.front.tokenizer
+    return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
+
+def token_logprobs(shape: _Shape, token_ids: list, logprobs: list):
+    """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
+    for token, (logprob, top) in zip(token_ids, logprobs):
+        top = list(top.items())[:shape.num_top_logprobs]     # sorted, likeliest first
+        yield (token_text(shape.server, token), max(logprob, -9999.0),
+               [(token_text(shape.server, t), max(lp, -9999.0)) for t, lp in top])
+
+def completion_logprobs(shape: _CompletionShape, d: Delta, echo) -> Optional[dict]:
+    """The legacy shape: parallel lists, and each token's text_offset in the choice's text. With
+    echo, the prompt's tokens come first (null for the first, which nothing predicts)."""
+    if shape.num_top_logprobs is None:
+        return None
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    rows = []                                          # (text, logprob, top) per token
+    if echo:                              # the prompt's rows, the first one empty
+        first = (token_text(shape.server, echo[1][0]), None, None)
+        rows = [first, *token_logprobs(shape, echo[1][1:], d.prompt_logprobs or [])]
+    for i, (text, logprob, top) in enumerate(
+            rows + list(token_logprobs(shape, d.token_ids, d.logprobs))):
+        if echo and i == len(rows):       # the completion starts after the echoed text
+            shape.offsets[d.index] = len(echo[0])
+        offset = shape.offsets[d.index]
+        shape.offsets[d.index] = offset + len(text)
+        for key, value in zip(out, (text, logprob, top if top is None else dict(top), offset)):
+            out[key].append(value)
+    return out
+
+def chat_logprobs(shape: _ChatShape, d: Delta) -> Optional[dict]:
+    """The chat shape: a list of {token, logprob, bytes, top_logprobs}."""
+    if shape.num_top_logprobs is None or not d.token_ids:
+        return None
+    def entry(text, logprob):
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
+                        for text, logprob, top in token_logprobs(shape, d.token_ids, d.logprobs)]}
+
+# ---------------------------------------------------------------------------
 # Chapter: structured output (grammars and tool calls)
 # A request may ask that its output match a JSON schema (response_format) or call a tool (tools
 # with tool_choice). Either becomes an llguidance grammar, compiled once per source in the front
@@ -2667,11 +2958,11 @@ class SpeculativeEngineCore(AsyncEngineCore):
 # Tool calls: each model family writes a call its own way (TOOL_CALL_FORMATS). The server turns
 # tools and tool_choice into a grammar of the whole answer, and parses the text back into call
 # deltas as it grows (split_tool_calls, _ToolCallShape).
-# Extends: Sequence (its matcher), ModelRunner (sample, finish_sample and draw; _put_input_ids
-# samples the step before), EngineCore (add_request starts the matcher, _read_back follows,
-# _finish_reason ends at the grammar's end). Seams: fail_running (rewind), ChatTemplate.render
-# (tools as text), FrontEnd (read_tool_calls, grammar), check_sampling_params (check_grammar),
-# _Shape.hold, and the handlers (request_grammar, chat_grammar, tool_call_shape).
+# Extends: FrontEnd (read_tool_calls, the grammar cache, check_grammar), OpenAIServer
+# (sampling_params: the grammar; chat_text: tools as text; chat_shape: _ToolCallShape), Sequence
+# (its matcher), ModelRunner (sample, finish_sample and draw; _put_input_ids samples the step
+# before), EngineCore (add_request starts the matcher, _read_back follows, _finish_reason ends at
+# the grammar's end). A seam: fail_running (rewind).
 
 # How each model family writes a tool call, for tool_choice "auto": {"name": ..., KEY: {...}}
 # between an opening and a closing; and llguidance's Lark grammar of a whole answer, SCHEMA
@@ -2858,23 +3149,39 @@ async def request_grammar(server: OpenAIServer, source, field: str = "response_f
     except ValueError as e:
         raise APIError(400, f"'{field}': {e}", param=field)
 
-async def chat_grammar(server: OpenAIServer, f: dict) -> tuple:
-    """A chat request's grammar, and the format its calls are written in (None: no calls).
-    tool_choice is None, "auto", "required" or a tool's name; a call wins over response_format."""
+def call_format(front: FrontEnd, f: dict) -> Optional[str]:
+    """The format a chat request's calls are written in: None (no calls), the model's own for
+    tool_choice "auto", or "json" for a forced call ("required", or a tool's name)."""
     tool = f.get("tool_choice")
-    if not tool:
-        return await request_grammar(server, f.get("response_format")), None
-    fmt = server.front.tool_call_format if tool == "auto" else "json"   # json: a forced call
-    lark = tool_call_grammar(fmt, f["tools"], tool, f.get("parallel_tool_calls", True),
-                             server.front.tool_call_token)
-    return await request_grammar(server, lark, "tools"), fmt
+    return None if not tool else front.tool_call_format if tool == "auto" else "json"
 
-def tool_call_shape(server: OpenAIServer, f: dict, fmt: str, num_prompt_tokens: int,
-                    num_top_logprobs: Optional[int]) -> _ToolCallShape:
-    shape = _ToolCallShape(server, num_prompt_tokens, num_top_logprobs, TOOL_CALL_FORMATS[fmt])
-    shape.hold = fmt == "json" and bool(f["stop"])   # a stop string may cut a forced call
-    shape.family = server.front.tool_call_format     # a forced call's ids too: json is no family
-    return shape
+class GrammarServer(OpenAIServer):
+    """The handlers with grammars: response_format's JSON schema, or the grammar of the whole
+    answer that tools and tool_choice make (a call wins over response_format). Tools the template
+    does not render go into the messages as text (_tools_as_text)."""
+    async def sampling_params(self, f: dict, max_tokens: int) -> list:
+        params = await super().sampling_params(f, max_tokens)
+        if fmt := call_format(self.front, f):
+            lark = tool_call_grammar(fmt, f["tools"], f["tool_choice"],
+                                     f.get("parallel_tool_calls", True), self.front.tool_call_token)
+            grammar = await request_grammar(self, lark, "tools")
+        else:
+            grammar = await request_grammar(self, f.get("response_format"))
+        return [dataclasses.replace(p, grammar=grammar) for p in params]
+
+    def chat_text(self, f: dict) -> str:
+        messages, tools = f["messages"], f.get("tools")
+        if "tool" not in self.front.chat_template.source:
+            messages, tools = _tools_as_text(messages, tools, self.front.tool_call_format), None
+        return self.front.chat_template.render(messages, tools=tools)
+
+    def chat_shape(self, f: dict, num_prompt_tokens: int) -> _Shape:
+        if (fmt := call_format(self.front, f)) is None:
+            return super().chat_shape(f, num_prompt_tokens)
+        shape = _ToolCallShape(self, f, num_prompt_tokens, TOOL_CALL_FORMATS[fmt])
+        shape.hold = fmt == "json" and bool(f["stop"])   # a stop string may cut a forced call
+        shape.family = self.front.tool_call_format     # a forced call's ids too: json is no family
+        return shape
 
 def tool_call_id(family: str) -> str:
     """A new call's id, in a form the family's chat template takes back with the call's result.
@@ -2882,18 +3189,31 @@ def tool_call_id(family: str) -> str:
     others take any string, and get OpenAI's form: call_ and 24 hex digits."""
     return uuid.uuid4().hex[:9] if family == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
 
-class _ToolCallShape(_ChatShape):
+class _ToolCallShape(LogprobsChatShape):
     """The chat shape with tools: the text is parsed (split_tool_calls) into content and call
     deltas (index, id, type, name, arguments), and the last chunk's finish_reason is "tool_calls"
     if the model called. A forced call that a stop string may cut is held to its end (hold): it
     comes whole, or if cut, as text with "stop"."""
     opening_content = None                    # null until text
     family = "hermes"         # how the model writes calls (FrontEnd.tool_call_format): tool_call_id
+    hold = False
 
-    def __init__(self, server, num_prompt_tokens: int, num_top_logprobs, call_format: tuple):
-        super().__init__(server, num_prompt_tokens, num_top_logprobs)
+    def __init__(self, server, f: dict, num_prompt_tokens: int, call_format: tuple):
+        super().__init__(server, f, num_prompt_tokens)
         self.call_format = call_format    # a TOOL_CALL_FORMATS entry
         self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
+
+    async def chunks(self, states, n: int):
+        """A held call's chunks come from its last state alone: all of its text, at the end."""
+        async with contextlib.aclosing(super().chunks(
+                _last_states(states) if self.hold else states, n)) as chunks:
+            async for choice in chunks:
+                yield choice
+
+    def delta_chunks(self, state: RequestState, d: Delta) -> list:
+        """Those with something to say: text held back inside a call parses to no delta."""
+        return [c for c in super().delta_chunks(state, d) if c["delta"] != {} or c["logprobs"]
+                or c["finish_reason"] is not None]
 
     def parsed_delta(self, d: Delta, final: bool) -> dict:
         """What is new in choice d.index's content and calls, from its whole text parsed again."""
@@ -2928,14 +3248,21 @@ class _ToolCallShape(_ChatShape):
         return {"index": d.index, "delta": delta,
                 "logprobs": chat_logprobs(self, d), "finish_reason": d.finish_reason}
 
-    async def body(self, chunks, request: Request) -> Optional[dict]:
+    async def body(self, chunks) -> dict:
         """The whole response, each call in OpenAI's non-streamed shape: without the `index`
         that joins a stream's deltas to their call (_fold)."""
-        body = await super().body(chunks, request)
-        for choice in body["choices"] if body else []:
+        body = await super().body(chunks)
+        for choice in body["choices"]:
             for call in choice["message"].get("tool_calls", []):
                 del call["index"]
         return body
+
+async def _last_states(states):
+    """Of a request's states, only the finished ones."""
+    async with contextlib.aclosing(states):
+        async for state in states:
+            if state.finish_reason is not None:
+                yield state
 
 # -- the engine core's half: matchers, masks, and the tokens followed --
 class GrammarMasks:
@@ -3032,6 +3359,18 @@ def check_grammar(grammar):
 
 _grammar_error = functools.lru_cache(maxsize=256)(llguidance.LLMatcher.validate_grammar)
 
+class GrammarFrontEnd(FrontEnd):
+    """The front end that knows how the model writes a tool call (read_tool_calls), compiles
+    grammars (grammar: compile_grammar, cached one per source), and checks a request's."""
+    def __init__(self, cfg: Config, num_blocks: int):
+        super().__init__(cfg, num_blocks)
+        self.tool_call_format, self.tool_call_token = read_tool_calls(self)
+        self.grammar = functools.lru_cache(maxsize=256)(functools.partial(compile_grammar, self))
+
+    def validate(self, prompt_ids: list, params: SamplingParams):
+        super().validate(prompt_ids, params)
+        check_grammar(params.grammar)
+
 class GrammarSequence(Sequence):
     matcher = None     # its grammar's matcher (a Future of it until its first fill); None: none
 
@@ -3092,109 +3431,6 @@ class GrammarEngineCore(EngineCore):
         if seq.matcher is not None and seq.matcher.is_stopped():
             return "stop"
         return super()._finish_reason(seq, token)
-
-# ---------------------------------------------------------------------------
-# Chapter: log-probs and logit edits
-# Three things a request may ask of the sampler beyond its draw. Log-probs: the model's own
-# log-probability of each sampled token and of the k likeliest, as the OpenAI API reports them
-# (before any edit, temperature or top-p). Prompt log-probs: the same for each prompt token,
-# which runs the LM head over the prompt's rows. Logit edits: logit_bias, and the presence,
-# frequency and repetition penalties, which read the tokens so far. They apply as sparse edits at
-# (row, token) entries, never as a dense (B, V) bias (pa.apply_logit_edits).
-# Extends: Sequence (its prompt log-probs so far), ModelRunner (head: the prompt log-probs; draw:
-# the edits; sample: the log-probs, copied back after the tokens), EngineCore (_append_token
-# reports them). Seams: check_sampling_params (check_logit_params); reuse_cached_prefix (a
-# request for prompt log-probs computes every prompt row).
-
-def check_logit_params(p: SamplingParams, vocab_size: float):
-    """The ranges of this chapter's SamplingParams fields; logit_bias's keys made ints."""
-    for name, lo, hi in [("logprobs", 0, 20), ("prompt_logprobs", 0, 20),
-                         ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)]:
-        if getattr(p, name) is not None and not lo <= getattr(p, name) <= hi:
-            raise ValueError(f"{name} must be in [{lo}, {hi}], got {getattr(p, name)}")
-    if not 0 < p.repetition_penalty < math.inf:
-        raise ValueError(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-    try:        # JSON object keys are strings: {"1234": -100}
-        p.logit_bias = {int(t): float(b) for t, b in (p.logit_bias or {}).items()}
-    except (AttributeError, TypeError, ValueError, OverflowError):
-        p.logit_bias = {-1: 0.0}                        # refused just below
-    if not all(-100 <= b <= 100 and 0 <= t < vocab_size for t, b in p.logit_bias.items()):
-        raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
-
-class LogprobsSequence(Sequence):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.prompt_logprobs: list = []   # (logprob, {token_id: logprob}) per prompt token so far
-
-class LogprobsRunner(ModelRunner):
-    def head(self, batch: ScheduledBatch, inputs: StepInputs, hidden) -> LaunchedStep:
-        compute_prompt_logprobs(self, batch, hidden)      # the common case: none asked, no sync
-        return super().head(batch, inputs, hidden)
-
-    def draw(self, logits, step: LaunchedStep) -> torch.Tensor:
-        """Part one's draw from the logits with each row's bias and penalties applied, in fp32
-        (a new tensor: the log-probs read the model's own); the logits as they are if no row has
-        any."""
-        edits = logit_edits(step.seqs, self.device)
-        if edits is not None:
-            logits = pa.apply_logit_edits(logits.float(), edits)
-        return super().draw(logits, step)
-
-    def sample(self, step: LaunchedStep):
-        """Part one's sample, then the log-probs of the rows' tokens if any row asks: they go into
-        step.host after the tokens, the row's (chosen, top values, top ids)."""
-        super().sample(step)
-        k = max((s.params.logprobs for s in step.seqs if s.params.logprobs is not None),
-                default=None)
-        if k is not None and step.tokens is not None:
-            self.copy_to_host(step, *sampled_logprobs(step.logits, step.tokens, k))
-
-def sampled_logprobs(logits, tokens, k: int) -> tuple:   # (B, V), (B,)
-    """The sampled tokens' log-probs (B,) and the top k values and ids (B, k), from the model's
-    own logits, before edits, temperature and top-p."""
-    logp = logits.float().log_softmax(dim=-1)              # (B, V) fp32
-    top = logp.topk(k, dim=-1)                             # (B, k) values and indices
-    return logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices
-
-def logit_edits(seqs: list, device) -> Optional[tuple]:
-    """pa.apply_logit_edits' entries (pa.logit_edit_entries) for the rows with a bias or a
-    penalty, from every token so far; None if no row has any."""
-    rows = [(row, seq.token_ids, seq.num_prompt_tokens, seq.params)
-            for row, seq in enumerate(seqs)
-            if seq.params.logit_bias or seq.params.needs_output_history]
-    return pa.logit_edit_entries(rows, device) if rows else None
-
-def compute_prompt_logprobs(runner: ModelRunner, batch: ScheduledBatch, hidden):  # (N_tok, D)
-    """Append to each sequence that asks the entries of the prompt tokens it predicts."""
-    if all(s.params.prompt_logprobs is None for s in batch.seqs):
-        return                      # the common case: no LM head, no host sync
-    C = runner.cfg.max_num_seqs       # rows per LM-head call: the sampler's memory budget
-    for seq, rows in zip(batch.seqs, hidden.split(batch.num_new_tokens)):   # (n, D) each
-        k, start = seq.params.prompt_logprobs, seq.num_computed_tokens
-        a = max(start, len(seq.prompt_logprobs))       # a preempted sequence recomputes
-        b = min(start + len(rows), seq.num_prompt_tokens - 1)  # row i predicts token i + 1
-        if k is None or a >= b:
-            continue
-        targets = pa.to_device(runner.device, seq.token_ids[a + 1:b + 1], torch.int64)  # (T,)
-        for h, t in zip(rows[a - start:b - start].split(C), targets.split(C)):
-            logp = runner.model.compute_logits(h).float().log_softmax(dim=-1)  # (C, V)
-            top, chosen = logp.topk(k, dim=-1), logp.gather(1, t[:, None])[:, 0]
-            seq.prompt_logprobs += [(lp, dict(zip(i, v))) for lp, i, v in zip(
-                chosen.tolist(), top.indices.tolist(), top.values.tolist())]
-
-class LogprobsEngineCore(EngineCore):
-    def _append_token(self, seq: Sequence, token: int, *logprobs) -> EngineCoreOutput:
-        """Part one's, and into its output the token's log-prob and seq's top k, if it asked
-        (logprobs: the token's row, (chosen, top values, top ids), if the step computed any);
-        with its first token, its prompt's log-probs."""
-        out = super()._append_token(seq, token)
-        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
-            out.prompt_logprobs = seq.prompt_logprobs
-        k = seq.params.logprobs
-        if out.token_id is not None and logprobs and k is not None:
-            chosen, top_values, top_ids = logprobs
-            out.logprobs = (chosen, dict(zip(top_ids[:k], top_values[:k])))
-        return out
 
 # ---------------------------------------------------------------------------
 # Chapter: tensor parallelism
@@ -3514,17 +3750,15 @@ class Fp8KVCacheRunner(ModelRunner):
 
 # ---------------------------------------------------------------------------
 # Chapter: the rest of the OpenAI API
-# Part one's handlers read a body's fields through parse_fields and answer in OpenAI's shapes.
-# This chapter holds what makes them conformant: a table of each endpoint's fields, with their
-# JSON types and rules; the body's limits and the API key; the shapes of log-probs, per endpoint,
-# with echo; /v1/models and /metrics; errors in OpenAI's shape; and generate's line of speed.
-# An unknown field is refused, never ignored: it might have changed the output. A field the API
-# defines but nanoserve does not implement is refused too, unless it asks for nothing new. So a
-# client never gets other than it asked.
-# Seams: the handlers (read_body, then parse_fields with COMPLETION_FIELDS or CHAT_FIELDS), the
-# routes (keyed, api_routes), build_app (error_response), the response shapes
-# (completion_logprobs, chat_logprobs), EngineCoreClient (ServerMetrics), RequestState's
-# latency clock, and run_generate (speed_line).
+# Part one's handlers read a few fields, each checked for its JSON type. This chapter's server
+# (APIServer) reads every field the other chapters answer: a table of each endpoint's fields, with
+# their JSON types and rules (parse_fields). It adds the body's size limit and the API key, the
+# routes /v1/models and /metrics, and errors in OpenAI's shape for whatever raises. An unknown
+# field is refused, never ignored: it might have changed the output. A field the API defines but
+# nanoserve does not implement is refused too, unless it asks for nothing new. So a client never
+# gets other than it asked.
+# Extends: OpenAIServer (read_fields, routes, app, sampling_params: stop), EngineCoreClient
+# (MetricsClient: the latency histograms).
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
@@ -3730,9 +3964,29 @@ def api_routes(server: OpenAIServer) -> list:
         return Response(prometheus_client.generate_latest(server.client.metrics.registry),
                         media_type=prometheus_client.CONTENT_TYPE_LATEST)
     return [Route("/metrics", metrics), Route("/v1/models", keyed(server, models)),
-            Route("/v1/models/{model:path}", keyed(server, models)),
-            Route("/v1/responses", keyed(server, functools.partial(responses, server)),
-                  methods=["POST"])]                           # chapter: the Responses API
+            Route("/v1/models/{model:path}", keyed(server, models))]
+
+class APIServer(OpenAIServer):
+    fields = {"completions": COMPLETION_FIELDS, "chat": CHAT_FIELDS}
+
+    async def read_fields(self, request: Request, endpoint: str) -> dict:
+        return parse_fields(await read_body(self, request), self.fields[endpoint])
+
+    def routes(self) -> list:
+        """Part one's routes, each under /v1/ behind the API key (keyed), and /v1/models and
+        /metrics (api_routes)."""
+        return [Route(r.path, keyed(self, r.endpoint), methods=r.methods)
+                if r.path.startswith("/v1/") else r for r in super().routes()] + api_routes(self)
+
+    def app(self) -> Starlette:
+        app = super().app()
+        for kind in (APIError, HTTPException, Exception):
+            app.add_exception_handler(kind, error_response)
+        return app
+
+    async def sampling_params(self, f: dict, max_tokens: int) -> list:
+        return [dataclasses.replace(p, stop=f["stop"])
+                for p in await super().sampling_params(f, max_tokens)]
 
 async def error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes
@@ -3745,89 +3999,26 @@ async def error_response(request: Request, e: Exception) -> Response:
     headers = {"Connection": "close"} if e.status == 413 or e.status >= 500 else None
     return JSONResponse(e.body, status_code=e.status, headers=headers)
 
-# -- log-probs in each endpoint's shape (JSON has no -inf: clamped to -9999) --
-def token_text(server: OpenAIServer, token: int) -> str:
-    tokenizer = server.front.tokenizer
-    return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
-
-def token_logprobs(shape: _Shape, token_ids: list, logprobs: list):
-    """Per token: (text, logprob, [(text, logprob) of the top alternatives])."""
-    for token, (logprob, top) in zip(token_ids, logprobs):
-        top = list(top.items())[:shape.num_top_logprobs]     # sorted, likeliest first
-        yield (token_text(shape.server, token), max(logprob, -9999.0),
-               [(token_text(shape.server, t), max(lp, -9999.0)) for t, lp in top])
-
-def completion_logprobs(shape: _CompletionShape, d: Delta, echo) -> Optional[dict]:
-    """The legacy shape: parallel lists, and each token's text_offset in the choice's text. With
-    echo, the prompt's tokens come first (null for the first, which nothing predicts)."""
-    if shape.num_top_logprobs is None:
-        return None
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    rows = []                                          # (text, logprob, top) per token
-    if echo:                              # the prompt's rows, the first one empty
-        first = (token_text(shape.server, echo[1][0]), None, None)
-        rows = [first, *token_logprobs(shape, echo[1][1:], d.prompt_logprobs or [])]
-    for i, (text, logprob, top) in enumerate(
-            rows + list(token_logprobs(shape, d.token_ids, d.logprobs))):
-        if echo and i == len(rows):       # the completion starts after the echoed text
-            shape.offsets[d.index] = len(echo[0])
-        offset = shape.offsets[d.index]
-        shape.offsets[d.index] = offset + len(text)
-        for key, value in zip(out, (text, logprob, top if top is None else dict(top), offset)):
-            out[key].append(value)
-    return out
-
-def chat_logprobs(shape: _ChatShape, d: Delta) -> Optional[dict]:
-    """The chat shape: a list of {token, logprob, bytes, top_logprobs}."""
-    if shape.num_top_logprobs is None or not d.token_ids:
-        return None
-    def entry(text, logprob):
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-    return {"content": [{**entry(text, logprob), "top_logprobs": [entry(*t) for t in top]}
-                        for text, logprob, top in token_logprobs(shape, d.token_ids, d.logprobs)]}
-
 # -- /metrics --
-def engine_stats(core: EngineCore) -> dict:
-    """The engine's gauges, and counters (the _total ones), by their /metrics names less the
-    nanoserve_ prefix. A count that a chapter keeps is 0 where it is off (part one's engine)."""
-    a, s = core.allocator, core.scheduler
-    num_prompt, num_cached = getattr(s, "num_prompt_tokens", 0), getattr(s, "num_cached_tokens", 0)
-    speculation = getattr(s, "speculation", None)
-    return dict(requests_running=len(s.running), requests_waiting=len(s.waiting),
-                kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,
-                kv_blocks_cached=len(getattr(a, "evictable", ())),   # free, but their prefix kept
-                generated_tokens_total=core.num_generated_tokens,
-                prompt_tokens_total=num_prompt,  # admitted, and of those cached
-                prefix_cache_hit_tokens_total=num_cached,
-                prefix_cache_hit_rate=num_cached / max(1, num_prompt),
-                preemptions_total=s.num_preemptions,
-                **(speculation.stats() if speculation else Speculation.empty_stats))
+class MetricsClient(EngineCoreClient):
+    """The client that times each request's tokens as they reach the server (ServerMetrics)."""
+    def __init__(self, cfg: Config, **kw):
+        super().__init__(cfg, **kw)
+        self.metrics = ServerMetrics(self)
 
-def speed_line(llm: LLM, state: RequestState) -> str:
-    """What `generate` prints on stderr after its answer: the tokens, the seconds from the
-    request's arrival to its end, when the first token came, the decode speed, and with drafts
-    on (num_speculative_tokens > 0) the share of the drafts accepted. The first token waits for
-    the prompt's prefill, and in a fresh process for the warm-up too (the first launch of each
-    kernel). So the decode speed leaves it out: the tokens after the first, over the time after
-    it."""
-    n, start, first = len(state.token_ids), state.arrival_time, state.first_token_time
-    line = f"{n} tokens in {state.finish_time - start:.2f} s"
-    if n:
-        line += f" (first token after {first - start:.2f} s)"
-    if n > 1:
-        line += f", decode {(n - 1) / (state.finish_time - first):.1f} tok/s"
-    if llm.front.cfg.num_speculative_tokens > 0:
-        stats = llm.stats()
-        drafted = stats["spec_decode_num_draft_tokens_total"]
-        accepted = stats["spec_decode_num_accepted_tokens_total"]
-        line += f", {accepted} of {drafted} drafts accepted ({accepted / max(1, drafted):.0%})"
-    return line
+    def _deliver(self, outputs: list) -> list:
+        now = time.perf_counter()                          # one clock reading for the whole batch
+        states = super()._deliver(outputs)
+        for state in states:
+            self.metrics.observe(state, now)
+        return states
 
 class ServerMetrics:
     """Prometheus' view: latency histograms observed in the server process, and the engine core's
-    gauges and counters from its latest stats (engine_stats), read at each scrape."""
+    gauges and counters from its latest stats (EngineCore.stats), read at each scrape."""
     def __init__(self, client: EngineCoreClient):
         self.client = client
+        self.clocks = {}     # request id -> (when its last token came, its tokens timed so far)
         self.registry = prometheus_client.CollectorRegistry()
         self.registry.register(self)
         self.ttft = prometheus_client.Histogram(
@@ -3839,15 +4030,17 @@ class ServerMetrics:
 
     def observe(self, state: RequestState, now: float):
         """Time to first token, then a gap per token (0 within a chunk, as the client sees it)."""
-        num_new = len(state.token_ids) - state.num_timed_tokens
-        if num_new:
-            if state.last_token_time is None:
+        last, num_timed = self.clocks.get(state.request_id, (None, 0))
+        if num_new := len(state.token_ids) - num_timed:
+            if last is None:
                 self.ttft.observe(now - state.arrival_time)
             else:
-                self.itl.observe(now - state.last_token_time)
+                self.itl.observe(now - last)
             for _ in range(num_new - 1):
                 self.itl.observe(0.0)
-            state.last_token_time, state.num_timed_tokens = now, len(state.token_ids)
+            self.clocks[state.request_id] = now, len(state.token_ids)
+        if state.finish_reason is not None:
+            self.clocks.pop(state.request_id, None)
 
     def collect(self):
         """At a scrape: the engine core's gauges and counters, from its latest stats."""
@@ -3864,7 +4057,7 @@ class ServerMetrics:
 # run as for chat. The chat shape's chunks are re-shaped (_ResponsesShape) into Responses events,
 # or into one response object. nanoserve keeps no state: previous_response_id is a 400, and
 # store is accepted but stores nothing.
-# Seams: api_routes (the route) and error_response (its 404 names the route).
+# Extends: OpenAIServer (routes: /v1/responses; chat_shape: the re-shaping).
 
 _STRING = (str, _REQUIRED)                    # a string that the item needs
 _ITEMS = {   # each type of input item's fields, beside type, id and status (which change nothing)
@@ -3934,12 +4127,21 @@ def chat_body(r: dict) -> dict:
         response_format={"type": fmt.get("type", "text"), "json_schema": schema or None})
     return {k: v for k, v in body.items() if v is not None}
 
-async def responses(server: OpenAIServer, request: Request) -> Response:
-    """POST /v1/responses: the chat request that this body stands for, answered by the chat
-    handler (OpenAIServer.answer_chat), its chat shape re-shaped into Responses events."""
-    r = parse_fields(await read_body(server, request), RESPONSES_FIELDS)
-    f = parse_fields(chat_body(r), CHAT_FIELDS)
-    return await server.answer_chat(request, f, lambda shape: _ResponsesShape(shape, r))
+class ResponsesServer(OpenAIServer):
+    def routes(self) -> list:
+        return super().routes() + [Route("/v1/responses", self.responses, methods=["POST"])]
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: the chat request that this body stands for, answered by the chat
+        handler (OpenAIServer.answer_chat), its chat shape re-shaped into Responses events."""
+        r = parse_fields(await read_body(self, request), RESPONSES_FIELDS)
+        f = parse_fields(chat_body(r), CHAT_FIELDS)
+        return await self.answer_chat(request, f | {"responses": r})
+
+    def chat_shape(self, f: dict, num_prompt_tokens: int):
+        """A Responses request's chat shape (f["responses"]: its own fields), re-shaped."""
+        shape = super().chat_shape(f, num_prompt_tokens)
+        return _ResponsesShape(shape, f["responses"]) if "responses" in f else shape
 
 _ECHOED = dict(instructions=None, tools=[], tool_choice="auto", parallel_tool_calls=True,
                temperature=1.0, top_p=1.0, max_output_tokens=None, metadata={}, user=None,
@@ -4026,20 +4228,17 @@ class _ResponsesShape:
         async with contextlib.aclosing(chunks):
             try:
                 async for choice in chunks:
-                    for event in self.events(choice) if choice is not None else []:
+                    for event in self.events(choice):
                         yield _sse(event)
                 yield _sse(self.event(f"response.{self.status}", response=self.response()))
             except APIError as e:             # a bug here ends the stream, logged by uvicorn
                 yield _sse(self.event("error", **e.body))
 
-    async def body(self, chunks, request: Request) -> Optional[dict]:
-        """One response object. None if the client hangs up first (as in _Shape.body)."""
+    async def body(self, chunks) -> dict:
+        """One response object."""
         async with contextlib.aclosing(chunks):
             async for choice in chunks:
-                if await request.is_disconnected():
-                    return None
-                if choice is not None:
-                    self.events(choice)
+                self.events(choice)
         return self.response()
 
 # ---------------------------------------------------------------------------
@@ -4186,7 +4385,9 @@ def _exit_with(ends):
 # extensions. In each class below, a method runs the chapters' versions left to right, each
 # handing on to the next with super(), and part one's last. So the order says who wraps whom:
 # prefix caching's _commit names the blocks after async scheduling's has read the step back,
-# and speculative decoding's schedule adds drafts to the batch the others have built.
+# and speculative decoding's schedule adds drafts to the batch the others have built. In the
+# server, APIServer comes first: its routes() puts the Responses route behind the API key too.
+# generate's speed line is wrapped here too (with_drafts_accepted).
 
 class DefaultSequence(SpeculativeSequence, PrefixCachingSequence, GrammarSequence,
                       LogprobsSequence, AsyncSequence, Sequence):
@@ -4206,8 +4407,19 @@ class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, GrammarE
         DefaultRunner
     sequence_class = DefaultSequence
 
+class DefaultFrontEnd(StopStringFrontEnd, GrammarFrontEnd, LogprobsFrontEnd, FrontEnd):
+    pass
+
+class DefaultClient(MetricsClient, EngineCoreProcessClient):
+    pass
+
+class DefaultServer(APIServer, ResponsesServer, GrammarServer, LogprobsServer, OpenAIServer):
+    pass
+
 LLM.engine_class = DefaultEngineCore
-LLM.front_class = EngineCoreClient.front_class = StopStringFrontEnd
+speed_line = with_drafts_accepted(speed_line)
+LLM.front_class = EngineCoreClient.front_class = DefaultFrontEnd
+EngineCoreClient.server_class = DefaultServer
 
 def main(argv=None):
     """The CLI (its section in part one): `generate` runs LLM, whose engine is set above, and
@@ -4219,7 +4431,7 @@ def main(argv=None):
         if args.command == "generate":
             run_generate(cfg, args.prompt, from_flags(SamplingParams, args))
         else:
-            serve(cfg, EngineCoreClient if cfg.part_one else EngineCoreProcessClient)
+            serve(cfg, EngineCoreClient if cfg.part_one else DefaultClient)
     except (ValueError, OSError) as e:        # bad input: one line, no traceback
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:

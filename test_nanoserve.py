@@ -50,7 +50,7 @@ import nanoserve as ns
 import paged_attention as pa
 from types import SimpleNamespace
 from nanoserve import DEFAULT_MODEL, Config, build_app
-from nanoserve import EngineCoreProcessClient as EngineCoreClient   # the default server's
+from nanoserve import DefaultClient as EngineCoreClient   # the default server's
 
 SMOL_DIR = ns.DEFAULT_MODEL
 CUDA = torch.cuda.is_available()
@@ -1283,7 +1283,7 @@ def history_seqs(V, specs, gen):
         ids = torch.randint(0, 60, (30,), generator=gen).tolist()
         seq = ns.Sequence(f"r{i}", ids[:18], params)
         seq.token_ids += ids[18:]                      # 12 generated tokens
-        ns.check_sampling_params(params, V)
+        ns.check_logit_params(params, V)
         seqs.append(seq)
     return seqs
 
@@ -1398,10 +1398,10 @@ def test_sampling_params_errors_name_the_field():
              dict(logit_bias={"-1": 1}), dict(logit_bias={"5": 10 ** 400})]
     for kw in cases:
         with pytest.raises(ValueError, match="^" + next(iter(kw))):
-            ns.check_sampling_params(ns.SamplingParams(**kw), vocab_size=1000)
+            ns.check_logit_params(ns.SamplingParams(**kw), vocab_size=1000)
     p = ns.SamplingParams(logit_bias={"5": -100, 6: 1}, presence_penalty=-2,
                           repetition_penalty=1.5)
-    ns.check_sampling_params(p, vocab_size=1000)
+    ns.check_logit_params(p, vocab_size=1000)
     assert p.logit_bias == {5: -100.0, 6: 1.0} and p.needs_output_history
     assert not ns.SamplingParams(logit_bias={"5": 1}).needs_output_history
 
@@ -3171,14 +3171,14 @@ def nudged(monkeypatch):
     """The small model, under tool_choice "auto", calls a tool when asked and answers once it
     has a tool's result: OPEN_A_CALL's bias on the opening of a call, for, then against. (Left
     alone, it imitates the calls it sees and never answers.) The server runs in this process."""
-    plain = ns.parse_sampling_params
+    plain = ns.DefaultServer.sampling_params
 
-    def parse_sampling_params(f, *args, **kw):
+    async def sampling_params(server, f, max_tokens):
         if f.get("tool_choice") == "auto":
             sign = -1 if f["messages"][-1]["role"] == "tool" else 1
             f = {**f, "logit_bias": {t: sign * b for t, b in OPEN_A_CALL["hermes"].items()}}
-        return plain(f, *args, **kw)
-    monkeypatch.setattr(ns, "parse_sampling_params", parse_sampling_params)
+        return await plain(server, f, max_tokens)
+    monkeypatch.setattr(ns.DefaultServer, "sampling_params", sampling_params)
 
 
 def test_responses_equal_their_chat_request(client):
@@ -3504,7 +3504,7 @@ PARSER_CASES = {   # format: [(the model's text, finish_reason, content, [(name,
 
 def parse_stream(fmt, pieces, finish):
     """A chat answer in fmt, its text sent in pieces: (the chunks, the chunks folded into one)."""
-    shape = ns._ToolCallShape(None, 0, None, ns.TOOL_CALL_FORMATS[fmt])
+    shape = ns._ToolCallShape(None, {}, 0, ns.TOOL_CALL_FORMATS[fmt])   # no fields: no log-probs
     delta = lambda text, finish=None: ns.Delta(0, text, [1] if text else [], [], finish, None)
     chunks = shape.opening(0) + [shape.choice(delta(p)) for p in pieces]
     chunks.append(shape.last(types.SimpleNamespace(text="".join(pieces)), delta("", finish)))
@@ -3603,7 +3603,7 @@ def test_tool_call_format_detection(tmp_path):
                                 (HERMES_TEMPLATE, "llama3", "llama3")]:
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
         cfg = Config(model=str(tmp_path), device="cpu", tool_call_parser=flag)
-        assert ns.FrontEnd(cfg, 1).tool_call_format == fmt, (template[:40], flag)
+        assert ns.GrammarFrontEnd(cfg, 1).tool_call_format == fmt, (template[:40], flag)
 
 
 def test_auto_tool_calls(engine, client):
@@ -3629,7 +3629,8 @@ def test_auto_tool_calls(engine, client):
             turns = [*messages, r.message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": r.message.tool_calls[0].id,
                       "content": "sunny, 21 degrees"}]
-            prompt = template.render(ns._messages(turns, {}), [WEATHER, TIME])
+            prompt = ns.GrammarServer.chat_text(SimpleNamespace(front=front), {   # the server's
+                "messages": ns._messages(turns, {}), "tools": [WEATHER, TIME]})
             answer = client.chat.completions.create(**{**kw, "messages": turns, "max_tokens": 8})
         finally:
             front.chat_template, front.tool_call_format = own, "hermes"
@@ -3898,7 +3899,8 @@ def test_constrained_rows_in_the_engine(smol_llm):
     ask_weather = [{"role": "user", "content": "What is the weather in Paris?"}]
     alone = smol_llm.generate(SMOL_PROMPTS[:2], GREEDY)
     mixed = smol_llm.generate([prompt, SMOL_PROMPTS[0], prompt, SMOL_PROMPTS[1],
-                               smol_llm.front.chat_template.render(ask_weather, tools)],
+                               ns.GrammarServer.chat_text(types.SimpleNamespace(   # the server's
+                                   front=smol_llm.front), {"messages": ask_weather, "tools": tools})],
                               [constrained[0], GREEDY, constrained[1], GREEDY, auto])
     assert [mixed[1].token_ids, mixed[3].token_ids] == [o.token_ids for o in alone]
     content, [(name, arguments)] = ns.split_tool_calls(ns.TOOL_CALL_FORMATS["hermes"],
