@@ -4,7 +4,7 @@ This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engine
 cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
-server with SSE streaming. The kernels live in paged_attention.py. Part one took 305 minutes in the
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 317 minutes in the
 last timed read (README.md's reading path), the chapters about 270.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
@@ -59,9 +59,10 @@ assembled from them at the end of the file, where main, the CLI's entry, is too.
     the Responses API           /v1/responses                              OpenAIServer
     faults                      a fault ends only the requests it touches  (seams)
 
-A chapter marked (seams) still enters part one through lines labelled "# chapter: NAME", which do
-nothing while it is off. The others are subclasses: what they change in part one is a whole
-method they override, and part one's code runs alone as if they were not there.
+A chapter marked (seams) still enters part one through lines labelled "# chapter: NAME". Those of
+tensor parallelism and fp8 do nothing while they are off; the faults chapter's two run in part
+one's engine too. The others are subclasses: what they change in part one is a whole method they
+override, and part one's code runs alone as if they were not there.
 """
 
 from __future__ import annotations
@@ -307,10 +308,12 @@ def load_weights(model: nn.Module, cfg: Config):
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
-# paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). pa.linear
-# applies a norm to a matmul's input and adds a residual to its output, for steps of up to 16
-# rows on the GPU in the one kernel that reads the weight (for the shapes where that is
-# fastest: pa.linear says which). So Attention and MLP take their block's norm and residual.
+# paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). Read
+# pa.linear(x, w, norm=, silu_mul=, residual=) as residual + F.linear(f(x), w), f the norm or
+# SiLU-and-mul: that is what it computes, whichever kernel runs (on the CPU, those very torch
+# ops). It takes the norm and the residual so that on the GPU a step of up to 16 rows does all of
+# it in the one kernel that reads the weight. So Attention and MLP take their block's norm and
+# residual. pa.ATTENTION, at that file's end, names each attention's two functions.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -435,7 +438,8 @@ class DecoderLayer(nn.Module):
 # Model
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
 # every token. compute_logits() applies the final norm and the LM head, through pa.linear, only to
-# the rows that sample: each sequence's last token, once its prompt is computed.
+# the rows that sample: each sequence's last token, once all its tokens are computed (its prompt,
+# and after a preemption its output so far too).
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -583,7 +587,8 @@ class Sequence:
         self.num_computed_tokens = 0     # tokens launched: their K/V in the cache, or on the way
         self.num_cached_tokens = 0       # prompt tokens whose K/V were found, not computed
         self.block_table: list[int] = []                   # logical block i -> pool block id
-        self.status, self.finish_reason = "waiting", None   # then "running", "finished"
+        self.status, self.finish_reason = "waiting", None   # "running" (back to "waiting" if
+                                                            # preempted), then "finished"
         self.generator = None            # per-request RNG when params.seed is set (Sampler)
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
@@ -686,8 +691,8 @@ class Scheduler:
 # Model runner
 # Turns a scheduled batch into flat tensors, runs the model and samples. Each step copies its
 # inputs into static buffers (self.buffers), allocated once at their largest, and the forward pass
-# reads them there: a step's inputs take no new device memory, and always sit at the same
-# addresses. The calls, per step: launch -> prepare (_flatten the batch into host lists, then
+# reads them there: the forward pass's inputs take no new device memory, and always sit at the
+# same addresses. The calls, per step: launch -> prepare (_flatten the batch into host lists, then
 # put_step them into the buffers) -> forward -> head (the LM head's logits); then sample -> draw
 # -> copy_to_host, which EngineCore._read_back waits for. Before any step, __init__ sizes the KV
 # pool (allocate_kv_cache: on the GPU, what profile_peak_bytes leaves).
@@ -915,9 +920,9 @@ class ModelRunner:
 # The step loop: schedule, launch, read back, and hand each sampled token to its sequence. The
 # calls, per step: step -> _launch (Scheduler.schedule, ModelRunner.launch) -> ModelRunner.sample
 # -> _commit (_read_back waits for the tokens; _append_token each, and _finish_reason). The
-# engine core sees token ids only. Text, stop strings and all else per request live in the front
-# end (Requests in, text out). For LLM.generate it runs in the caller's thread; behind the server,
-# in a thread of its own (Server).
+# engine core sees token ids only. Text, and all else per request that it never needs, live in
+# the front end (Requests in, text out). For LLM.generate it runs in the caller's thread; behind
+# the server, in a thread of its own (Server).
 
 @dataclass
 class EngineCoreRequest:
@@ -928,7 +933,7 @@ class EngineCoreRequest:
 
 @dataclass
 class EngineCoreAbort:
-    """Stop this request (its client left, or a stop string ended it)."""
+    """Stop this request (its client left, or the front end ended it)."""
     request_id: str
 
 @dataclass
@@ -1100,7 +1105,7 @@ class RequestState:
                  incremental: bool, index: int = 0, queue: Optional[asyncio.Queue] = None):
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
         self.index = index                # which of a server request's choices
-        self.incremental = incremental    # text per step (a stream), or only at the end
+        self.incremental = incremental    # text at each step (the server's), or only at the end
         self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
         # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
@@ -1307,13 +1312,25 @@ class LLM:
 # runs. _respond hands those states to the endpoint's response shape (_Shape). The shape's
 # chunks go out as server-sent events (SSE: a `data: ...` line each, through Starlette's
 # StreamingResponse) or fold into one body (_Shape.body). The calls, in order: completions or
-# chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream or shape.body.
+# chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream, or for a body
+# shape.body(shape.chunks(_until_gone(client.generate(choices)))).
 # (OpenAI's terms: a choice is one of the n answers a request asks for; a chunk is one piece of
 # a streamed answer; usage counts a request's prompt and completion tokens.)
 # With n = 2, _respond makes two choices (prompt ids, SamplingParams), generate makes a
 # RequestState of each on one queue, and body folds each choice's chunks by its index (_fold).
-# A client that leaves mid-stream: its StreamingResponse cancels the stream. The CancelledError
-# is raised where client.generate waits on its queue, and rises out through shape.chunks and
+# A streamed request, in order, each line with who runs it:
+#   1. the handler (event loop): read_fields, _encode (in a worker thread), sampling_params; then
+#      _respond checks each choice and returns a StreamingResponse over shape.stream
+#   2. the StreamingResponse (event loop) pulls the first event: client.generate tracks the
+#      choices in the front end (FrontEnd.add) and puts them in `outgoing`
+#   3. _run (the engine core's thread) takes them, steps, and hands each step's outputs to the
+#      event loop (call_soon_threadsafe)
+#   4. _deliver (event loop): FrontEnd.process, then each changed state onto its queue
+#   5. generate yields the state, shape.chunks turns its Delta into chunks, and shape.stream
+#      writes each as an SSE event; steps 3-5 repeat until every choice has finished
+# A client that leaves mid-stream: the StreamingResponse's listener, a task beside the writing
+# (so Starlette runs it under uvicorn's ASGI spec 2.3), cancels the writing. The CancelledError
+# is raised where generate waits on its queue, and rises out through shape.chunks and
 # shape.stream. generate's `finally` queues the aborts (_abort), _run applies them before its
 # next step (abort_request), and Scheduler.finish frees the blocks. No one cancels a body's
 # handler, so it asks at each state whether its client is gone (_until_gone). What a client sees
@@ -1558,6 +1575,10 @@ class OpenAIServer:
                                seed=None if seed is None else (seed + i) % 2**64)
                 for i in range(n)]
 
+    def stream_response(self, events) -> Response:
+        """A stream's response: Starlette's, which sends each SSE event (text) as it comes."""
+        return StreamingResponse(events, headers=_SSE_HEADERS)
+
     def completion_shape(self, f: dict, prompts: list, prompt_ids: list, n: int) -> _Shape:
         return _CompletionShape(self, f, sum(map(len, prompt_ids)))
 
@@ -1580,7 +1601,7 @@ class OpenAIServer:
         if f.get("stream"):
             include_usage = f.get("stream_options", {}).get("include_usage") is True
             chunks = shape.chunks(states, len(choices))
-            return StreamingResponse(shape.stream(chunks, include_usage), headers=_SSE_HEADERS)
+            return self.stream_response(shape.stream(chunks, include_usage))
         return JSONResponse(await shape.body(shape.chunks(_until_gone(states, request),
                                                           len(choices))))
 
@@ -1642,7 +1663,7 @@ class _Shape:
 
     def delta_chunks(self, state: RequestState, d: Delta) -> list:
         """One Delta's chunks: its new text, if any (the finish_reason is the last chunk's to
-        say), then at the end the last chunk (an echo not sent yet goes with it)."""
+        say), then at the end the last chunk."""
         news = [self.choice(d) | {"finish_reason": None}] if d.text else []
         return news + ([self.last(state, d)] if d.finish_reason is not None else [])
 
@@ -3757,8 +3778,10 @@ class Fp8KVCacheRunner(ModelRunner):
 # field is refused, never ignored: it might have changed the output. A field the API defines but
 # nanoserve does not implement is refused too, unless it asks for nothing new. So a client never
 # gets other than it asked.
-# Extends: OpenAIServer (read_fields, routes, app, sampling_params: stop), EngineCoreClient
-# (MetricsClient: the latency histograms).
+# A stream goes out at raw ASGI (_EventStream), which at a burst of streams costs the event loop
+# less than Starlette's StreamingResponse.
+# Extends: OpenAIServer (read_fields, routes, app, sampling_params: stop; stream_response),
+# EngineCoreClient (MetricsClient: the latency histograms).
 
 def _stop(v, f) -> list:
     v = [] if v is None else [v] if isinstance(v, str) else v
@@ -3987,6 +4010,41 @@ class APIServer(OpenAIServer):
     async def sampling_params(self, f: dict, max_tokens: int) -> list:
         return [dataclasses.replace(p, stop=f["stop"])
                 for p in await super().sampling_params(f, max_tokens)]
+
+    def stream_response(self, events) -> Response:
+        return _EventStream(events)
+
+class _EventStream:
+    """A stream's response at raw ASGI, for speed: each event goes out in one `send` as it comes.
+    Starlette's StreamingResponse runs the writing in a task group of its own (under uvicorn's
+    ASGI spec 2.3), which costs the event loop a little per event; at a burst of streams that is
+    the loop's time. Here a task of its own listens for the client leaving, then cancels the
+    writing, whose CancelledError closes the events: their `finally` (the abort) runs at once."""
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
+
+    def __init__(self, events):
+        self.events = events              # _Shape.stream: SSE text, event by event
+
+    async def __call__(self, scope, receive, send):
+        async def listen():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            writer.cancel()
+        writer, listener = asyncio.current_task(), asyncio.create_task(listen())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            async with contextlib.aclosing(self.events) as events:
+                async for event in events:
+                    await send({"type": "http.response.body", "body": event.encode(),
+                                "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:   # the client left (listen's cancel), or the server stops
+            if listener.cancelled() or not listener.done():
+                raise
+            writer.uncancel()             # the client's leaving is this response's normal end
+        finally:
+            listener.cancel()
 
 async def error_response(request: Request, e: Exception) -> Response:
     """Every error in OpenAI's shape: ours, Starlette's (unknown path, wrong method) and crashes

@@ -53,7 +53,7 @@ Dimension letters, used in every shape comment:
     n_heads     query heads; n_kv key/value heads; G = n_heads // n_kv
     hd          head dim
     num_blocks  blocks in the pool; block_size tokens per block
-    max_blocks  width of the block table (the longest sequence it can hold)
+    max_blocks  width of the block table (the batch's longest sequence, in blocks)
     L           context length of one sequence (cached + new tokens)
     T           new (query) tokens of one sequence
 """
