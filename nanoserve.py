@@ -4,7 +4,7 @@ This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engine
 cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
-server with SSE streaming. The kernels live in paged_attention.py. Part one took 317 minutes in the
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 296 minutes in the
 last timed read (README.md's reading path), the chapters about 270.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
@@ -237,9 +237,11 @@ class Config:
         if self.attention == "triton" and not self.device.startswith("cuda") \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
-        # Part one's engine reads none of these three: run with it, they are refused, not
-        # ignored (a pool in the model's dtype, no drafts, one GPU, where the user asked else).
-        for name in ("kv_cache_dtype", "num_speculative_tokens", "tensor_parallel_size"):
+        # Part one's engine acts on none of these: run with it, they are refused, not ignored (a
+        # pool in the model's dtype, no drafts, one GPU, no API key or body limit, no tool calls,
+        # where the user asked else).
+        for name in ("kv_cache_dtype", "num_speculative_tokens", "tensor_parallel_size", "api_key",
+                     "max_request_bytes", "tool_call_parser"):
             if self.part_one and getattr(self, name) != self.__dataclass_fields__[name].default:
                 raise ValueError(f"part one's engine (--part-one) has no {name}: leave it at "
                                  f"its default, or leave out --part-one")
@@ -437,9 +439,9 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------
 # Model
 # Embedding -> decoder layers -> final norm -> LM head. forward() returns the residual stream of
-# every token. compute_logits() applies the final norm and the LM head, through pa.linear, only to
-# the rows that sample: each sequence's last token, once all its tokens are computed (its prompt,
-# and after a preemption its output so far too).
+# every token. compute_logits() applies the final norm and the LM head, through pa.linear, to the
+# rows it is given. ModelRunner.head gives it only the rows that sample: each sequence's last
+# token, once all its tokens are computed (its prompt, and after a preemption its output so far).
 
 class Model(nn.Module):
     def __init__(self, cfg: Config):
@@ -491,6 +493,7 @@ class SamplingParams:
     stop_token_ids: Optional[list] = None  # token ids that end the sequence
     ignore_eos: bool = _flag(False, "keep generating past the end-of-sequence token")
     seed: Optional[int] = _flag(None, "same seed, same random draws, whatever else is in the batch")
+    # part one's engine reads none of the fields below (nor stop): FrontEnd.validate refuses them
     logprobs: Optional[int] = None    # also return this many top log-probs per token
     prompt_logprobs: Optional[int] = None  # log-prob of each prompt token, + this many top
     logit_bias: dict = field(default_factory=dict)  # token id -> bias in [-100, 100]
@@ -574,6 +577,16 @@ class BlockAllocator:
 # takes what is left of the budget as a chunk, and the budget is then spent: so a step holds at
 # most one unfinished prefill chunk, its last sequence.
 # When the pool runs dry, the latest admitted sequence is preempted: freed, and recomputed later.
+# A run by example (test_scheduler_runs_as_its_example): block_size 4, a pool of 5 blocks, a
+# budget of 8 tokens. A (a 10-token prompt) asks for 6 tokens, B (5 tokens) for 4.
+#   step 0     A's first chunk, 8 tokens in 2 blocks: the budget is spent, and B waits
+#   step 1     A's last 2 prompt tokens (a 3rd block) and B's whole prompt (2 blocks): both sample
+#   steps 2-3  both decode; the pool is full
+#   step 4     A needs a 4th block: B, admitted last, is preempted (its blocks freed, its computed
+#              count back to 0, first in line again), and A decodes alone
+#   steps 5-6  A decodes; step 6 samples its 6th token ("length"), and its 4 blocks are freed
+#   step 7     B is admitted again and recomputes its 8 tokens (5 of prompt, 3 of output) in one
+#              chunk, whose last row samples its 4th token ("length")
 
 class Sequence:
     """One request as the engine core sees it: token ids (never text), cache blocks, progress.
@@ -782,9 +795,11 @@ class ModelRunner:
     @torch.no_grad()
     def profile_peak_bytes(self) -> int:
         """The peak of GPU memory allocated (the weights, the buffers and the largest step's
-        activations), measured by running that step once on a dummy batch of
-        max_num_batched_tokens tokens, plus room for the sampler's sort."""
-        cfg, n, L = self.cfg, self.cfg.max_num_batched_tokens, self.cfg.max_model_len
+        activations), measured by running that step once on a dummy batch of its tokens
+        (max_num_batched_tokens, or what max_num_seqs sequences of max_model_len hold if that is
+        fewer), plus room for the sampler's sort."""
+        cfg, L = self.cfg, self.cfg.max_model_len
+        n = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * L)   # the largest step's tokens
         seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
         blocks = iter(range(n // cfg.block_size + len(seqs)))     # enough for every sequence
         for seq in seqs:
@@ -960,14 +975,15 @@ class EngineCore:
         self.allocator = self.allocator_class(self.runner.num_blocks)
         self.scheduler = self.scheduler_class(cfg, self.allocator)
         self.seqs: dict[str, Sequence] = {}          # unfinished requests by id
-        self.committed: list = []   # the step in progress's outputs, each as made (fail_running)
+        self.committed: list = []   # the step in progress's outputs, each as made: a step that
+                                    # raises still hands these on (EngineCoreClient._step)
         self.num_generated_tokens = 0                      # for stats()
 
     def add_request(self, request: EngineCoreRequest):
         """Queue a checked request (FrontEnd.validate) in waiting, for the scheduler to admit."""
         seq = self.sequence_class(request.request_id, request.prompt_token_ids, request.params)
         if request.params.seed is not None:
-            seq.generator = torch.Generator(self.runner.device).manual_seed(request.params.seed)
+            seq.generator = torch.Generator(self.runner.device)   # seeded for each token (sample)
         self.seqs[seq.request_id] = seq
         self.scheduler.waiting.append(seq)
 
@@ -1125,7 +1141,7 @@ class RequestState:
         self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
         return delta
 
-def check_sampling_params(p: SamplingParams, vocab_size: float = math.inf):
+def check_sampling_params(p: SamplingParams):
     """SamplingParams' own checks: a ValueError, naming the field first. One also normalizes: a
     tiny temperature becomes 0."""
     least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt only
@@ -1166,7 +1182,7 @@ class FrontEnd:
 
     def validate(self, prompt_ids: list, params: SamplingParams):
         """Every check the engine core relies on, made before it sees the request."""
-        check_sampling_params(params, self.cfg.vocab_size)
+        check_sampling_params(params)
         # Part one's engine reads none of these: run with it, they are refused, not ignored.
         for name in ("stop", "logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "grammar"):
@@ -1321,8 +1337,9 @@ class LLM:
 # A streamed request, in order, each line with who runs it:
 #   1. the handler (event loop): read_fields, _encode (in a worker thread), sampling_params; then
 #      _respond checks each choice and returns a StreamingResponse over shape.stream
-#   2. the StreamingResponse (event loop) pulls the first event: client.generate tracks the
-#      choices in the front end (FrontEnd.add) and puts them in `outgoing`
+#   2. the StreamingResponse (event loop) pulls the first events (a chat stream's role chunk comes
+#      first): client.generate tracks the choices in the front end (FrontEnd.add) and puts them
+#      in `outgoing`
 #   3. _run (the engine core's thread) takes them, steps, and hands each step's outputs to the
 #      event loop (call_soon_threadsafe)
 #   4. _deliver (event loop): FrontEnd.process, then each changed state onto its queue

@@ -352,6 +352,41 @@ def test_batched_equals_one_at_a_time(smol_llm):
     check_pool_is_free(smol_llm.engine)
 
 
+def test_scheduler_runs_as_its_example():
+    """The Scheduler section's example, step by step, on part one's engine: a chunked prompt, a
+    preemption when the pool runs dry, and the victim's recompute of prompt and output."""
+    ensure_smol()
+    cfg = Config(device="cpu", part_one=True, num_blocks=5, block_size=4,
+                 max_num_batched_tokens=8, max_num_seqs=4, num_threads=1)
+    core = ns.EngineCore(cfg)
+    for name, prompt_len, n in (("A", 10, 6), ("B", 5, 4)):
+        core.add_request(ns.EngineCoreRequest(name, list(range(100, 100 + prompt_len)),
+                         ns.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+    schedule, steps = core.scheduler.schedule, []
+
+    def traced():
+        batch = schedule()
+        steps.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        return batch
+    core.scheduler.schedule = traced
+    seqs = dict(core.seqs)
+    preempted_at, ends = [], {}
+    while core.has_unfinished():
+        before = core.scheduler.num_preemptions
+        for out in core.step():
+            if out.finish_reason:
+                ends[out.request_id] = (len(steps) - 1, out.finish_reason)
+        if core.scheduler.num_preemptions > before:
+            preempted_at.append(len(steps) - 1)
+        if len(steps) == 2:                 # after step 1: the pool is full
+            assert core.allocator.num_free_blocks == 0
+    assert steps == [[("A", 8)], [("A", 2), ("B", 5)], [("A", 1), ("B", 1)], [("A", 1), ("B", 1)],
+                     [("A", 1)], [("A", 1)], [("A", 1)], [("B", 8)]]
+    assert preempted_at == [4] and ends == {"A": (6, "length"), "B": (7, "length")}
+    assert [len(seqs[r].token_ids) for r in "AB"] == [16, 9]
+    check_pool_is_free(core)
+
+
 def test_part_one_equals_default():
     """Part one's engine alone (part_one, the CLI's --part-one) gives the default engine's tokens
     on plain requests: greedy and seeded, prompts whole and in chunks, with and without
@@ -383,7 +418,8 @@ def test_part_one_refuses_what_only_a_chapter_reads():
     """--part-one with a setting that only a chapter reads is refused, one line from the CLI,
     rather than run without it. The fp8 KV pool is the chapter's runner's, not part one's."""
     for name, value in (("kv_cache_dtype", "fp8"), ("num_speculative_tokens", 3),
-                        ("tensor_parallel_size", 2)):
+                        ("tensor_parallel_size", 2), ("api_key", "k"), ("max_request_bytes", 10),
+                        ("tool_call_parser", "hermes")):   # the last three: its server has none
         with pytest.raises(ValueError, match=f"part one's engine \\(--part-one\\) has no {name}"):
             ns.Config(device="cpu", part_one=True, **{name: value})
     with pytest.raises(SystemExit) as e:
