@@ -57,12 +57,12 @@ assembled from them at the end of the file, where main, the CLI's entry, is too.
     the rest of the OpenAI API  field tables, API key, /metrics, errors    OpenAIServer,
                                                                            EngineCoreClient
     the Responses API           /v1/responses                              OpenAIServer
-    faults                      a fault ends only the requests it touches  (seams)
+    faults                      a fault ends only the requests it touches  LLM.run (and seams)
 
-A chapter marked (seams) still enters part one through lines labelled "# chapter: NAME". Those of
-tensor parallelism and fp8 do nothing while they are off; the faults chapter's two run in part
-one's engine too. The others are subclasses: what they change in part one is a whole method they
-override, and part one's code runs alone as if they were not there.
+A chapter marked (seams) still enters part one through lines labelled "# chapter: NAME", which do
+nothing while it is off. The others are subclasses: what they change in part one is a whole
+method they override, and part one's code runs alone as if they were not there. Two wrap a
+part-one function at the end of the file (speed_line, LLM.run), for --part-one's runs too.
 """
 
 from __future__ import annotations
@@ -1280,17 +1280,12 @@ class LLM:
         return self.front.states[request.request_id]
 
     def run(self):
-        """Step until every request is done, yielding after each step. Whatever stops it first (an
-        error or Ctrl-C anywhere, the caller closing it) ends every request in error (end_run)."""
-        try:
-            while self.engine.has_unfinished():
-                _, stopped = self.front.process(self.engine.step())
-                for request_id in stopped:
-                    self.engine.abort_request(request_id)
-                yield
-        except BaseException as e:   # GeneratorExit too: closed, or dropped by the caller's error
-            end_run(self, e)                                   # chapter: faults
-            raise
+        """Step until every request is done, yielding after each step."""
+        while self.engine.has_unfinished():
+            _, stopped = self.front.process(self.engine.step())
+            for request_id in stopped:
+                self.engine.abort_request(request_id)
+            yield
 
     def generate(self, prompts, params=None) -> list:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -1711,11 +1706,15 @@ class _Shape:
         choices = {}                                       # index -> the whole choice so far
         async with contextlib.aclosing(chunks):
             async for choice in chunks:
-                _fold(choices.setdefault(choice["index"], {}), choice)
+                self.fold(choices.setdefault(choice["index"], {}), choice)
         for c in choices.values():
             if "delta" in c:
                 c["message"] = c.pop("delta")
         return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
+
+    def fold(self, whole: dict, chunk: dict):
+        """Join a chunk into the whole of its choice (_fold)."""
+        _fold(whole, chunk)
 
 class _CompletionShape(_Shape):
     """The legacy completions shape: a choice's text."""
@@ -1739,18 +1738,12 @@ class _ChatShape(_Shape):
                 "logprobs": None, "finish_reason": d.finish_reason}
 
 def _fold(whole: dict, chunk: dict):
-    """Fold a chunk into the whole, key by key. Strings and lists concatenate, objects fold alike,
-    and tool-call deltas join their call by index. Other values replace the old, but null never."""
+    """Fold a chunk into the whole, key by key. Strings and lists concatenate, and objects fold
+    alike. Other values replace the old, but null never."""
     for key, value in chunk.items():
         old = whole.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
             _fold(old, value)
-        elif key == "tool_calls":
-            calls = whole.setdefault(key, [])
-            for item in value:
-                if item["index"] == len(calls):       # a new call (they come in order)
-                    calls.append({})
-                _fold(calls[item["index"]], item)
         elif isinstance(value, (str, list)) and old is not None:
             whole[key] = old + value
         elif value is not None or key not in whole:
@@ -3286,9 +3279,20 @@ class _ToolCallShape(LogprobsChatShape):
         return {"index": d.index, "delta": delta,
                 "logprobs": chat_logprobs(self, d), "finish_reason": d.finish_reason}
 
+    def fold(self, whole: dict, chunk: dict):
+        """Part one's, but each tool-call delta joins its call by index (a new index opens the
+        next call), as a stream's client joins them."""
+        delta = dict(chunk["delta"])
+        for item in delta.pop("tool_calls", []):
+            calls = whole.setdefault("delta", {}).setdefault("tool_calls", [])
+            if item["index"] == len(calls):       # a new call (they come in order)
+                calls.append({})
+            _fold(calls[item["index"]], item)
+        super().fold(whole, chunk | {"delta": delta})
+
     async def body(self, chunks) -> dict:
         """The whole response, each call in OpenAI's non-streamed shape: without the `index`
-        that joins a stream's deltas to their call (_fold)."""
+        that joins a stream's deltas to their call (fold)."""
         body = await super().body(chunks)
         for choice in body["choices"]:
             for call in choice["message"].get("tool_calls", []):
@@ -4336,7 +4340,8 @@ class _ResponsesShape:
 # While the engine core loads, it reads no pipe. So a server stopped then (child_stopped_on_error)
 # closes the engine core's outbox instead, which the engine core watches too, and it ends at
 # once with its workers.
-# Seams: LLM.run (end_run), run_engine_core (fail_running), EngineCoreClient
+# Extends: LLM.run (wrapped at the end of the file: ends_every_request, for part one's engine
+# too). Seams: run_engine_core (fail_running), EngineCoreClient
 # (child_stopped_on_error, sigint_held; receive and generate: engine_died, fail_all) and
 # run_engine_core (follow_parent); the tensor-parallel workers use the last two alike.
 
@@ -4358,6 +4363,18 @@ def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) 
         seq.num_pending_tokens = 0
     return core.committed + [EngineCoreOutput(s.request_id, None, finish_reason="error",
                              error=f"the engine failed: {error!r}") for s in failed]
+
+def ends_every_request(run):
+    """LLM.run, wrapped: whatever stops it first (an error or Ctrl-C anywhere, the caller closing
+    it) ends every request it has in error (end_run)."""
+    @functools.wraps(run)
+    def wrapped(llm: LLM):
+        try:
+            yield from run(llm)
+        except BaseException as e:   # GeneratorExit too: closed, or dropped by the caller's error
+            end_run(llm, e)
+            raise
+    return wrapped
 
 def end_run(llm: LLM, error: BaseException):
     """LLM.run stopped before its requests ended. Every request ends in error, running or waiting
@@ -4462,7 +4479,8 @@ def _exit_with(ends):
 # prefix caching's _commit names the blocks after async scheduling's has read the step back,
 # and speculative decoding's schedule adds drafts to the batch the others have built. In the
 # server, APIServer comes first: its routes() puts the Responses route behind the API key too.
-# generate's speed line is wrapped here too (with_drafts_accepted).
+# Two part-one functions are wrapped here too: generate's speed line (with_drafts_accepted) and
+# LLM.run (ends_every_request). LLM is part one's class, so its --part-one runs get both.
 
 class DefaultSequence(SpeculativeSequence, PrefixCachingSequence, GrammarSequence,
                       LogprobsSequence, AsyncSequence, Sequence):
@@ -4493,6 +4511,7 @@ class DefaultServer(APIServer, ResponsesServer, GrammarServer, LogprobsServer, O
 
 LLM.engine_class = DefaultEngineCore
 speed_line = with_drafts_accepted(speed_line)
+LLM.run = ends_every_request(LLM.run)
 LLM.front_class = EngineCoreClient.front_class = DefaultFrontEnd
 EngineCoreClient.server_class = DefaultServer
 

@@ -3546,7 +3546,7 @@ def parse_stream(fmt, pieces, finish):
     chunks.append(shape.last(types.SimpleNamespace(text="".join(pieces)), delta("", finish)))
     whole = {}
     for c in chunks:
-        ns._fold(whole, json.loads(json.dumps(c)))   # a copy: _fold keeps what it is given
+        shape.fold(whole, json.loads(json.dumps(c)))   # a copy: fold keeps what it is given
     return chunks, whole
 
 
