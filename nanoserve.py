@@ -1511,7 +1511,7 @@ class OpenAIServer:
         not in the table is refused, never ignored: it might have changed the output."""
         try:
             body = json.loads(await request.body())
-        except ValueError as e:                            # bad JSON or bad UTF-8
+        except (ValueError, RecursionError) as e:          # bad JSON, bad UTF-8, too deep
             raise APIError(400, f"the body is not valid JSON: {str(e)[:200]}")
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
