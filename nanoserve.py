@@ -5,7 +5,7 @@ cache with a block allocator and prefix caching, a continuous-batching scheduler
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
 server with SSE streaming. The kernels live in paged_attention.py. Part one took 296 minutes in the
-last timed read (README.md's reading path), the chapters about 270.
+last timed read (README.md's reading path), the chapters about 280.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
 cache (no int4, no checkpoint stored quantized), speculative decoding with a draft model, LoRA,
@@ -36,6 +36,7 @@ assembled from them at the end of the file, where main, the CLI's entry, is too.
                                                                            ModelRunner, EngineCore
     CUDA graphs                 a step replayed as one graph               ModelRunner
     the engine core process     the engine core in a process of its own    EngineCoreClient
+    incremental detokenization  a step decodes only its new tokens         RequestState, FrontEnd
     stop strings                text cut at a stop string                  RequestState, FrontEnd
     prefix caching              blocks shared by prompts that begin alike  BlockAllocator, Sequence,
                                                                            Scheduler, EngineCore
@@ -1065,8 +1066,8 @@ class EngineCore:
 # ---------------------------------------------------------------------------
 # Requests in, text out
 # The front end holds everything per request that the engine core never needs: chat templates,
-# tokenizing, checks against the engine's limits, and token ids back to text (incremental
-# detokenization). It runs in the caller's process, the server's or LLM.generate's.
+# tokenizing, checks against the engine's limits, and token ids back to text, a step at a time
+# for a stream. It runs in the caller's process, the server's or LLM.generate's.
 
 # -- chat templates --
 def _raise_template_error(message: str):
@@ -1124,8 +1125,6 @@ class RequestState:
         self.incremental = incremental    # text at each step (the server's), or only at the end
         self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
         self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
-        # the detokenizer's window, as indices (slices would copy the whole token_ids every step)
-        self.prefix_offset = self.read_offset = self.num_read_chars = 0   # [prefix, read): shown
         self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
@@ -1241,24 +1240,16 @@ class FrontEnd:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _detokenize(self, states: list):
-        """Append each request's newly completed text, all requests in one batched decode. The
-        shown tokens [prefix_offset, read_offset) are decoded again as context, since a token may
-        render differently after another (a leading space). Then they are decoded with the new
-        ones. Say tokens 0-4 are shown (offsets 3, 5), and 5-6 arrive. decode(3:5) = "ab" and
-        decode(3:) = "abcd", so "cd" is added, and the offsets become 5, 7. Text that ends in
-        U+FFFD (half a character) is added up to it, and the offsets wait for the token that
-        ends it (num_read_chars: len(text) when they last moved). At the end, all is added."""
+        """Each request's text: all its tokens decoded again, whole, every request in one batched
+        decode. A token alone may decode differently than after the others: a leading space, or
+        a character whose bytes two tokens split. Text that ends in U+FFFD (half a character)
+        waits up to it for the token that ends it; at the end all of it is the text."""
         if self.tokenizer is None or not states:
             return
-        windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
-                                                s.token_ids[s.prefix_offset:])]
-        texts = self.tokenizer.decode_batch(windows, skip_special_tokens=True)
-        for s, before, after in zip(states, texts[0::2], texts[1::2]):
-            done = after if s.finish_reason else after.rstrip("\ufffd")   # whole characters
-            s.text += done[len(before) + len(s.text) - s.num_read_chars:]
-            if len(after) > len(before) and done == after:   # no half character: move on
-                s.prefix_offset, s.read_offset = s.read_offset, len(s.token_ids)
-                s.num_read_chars = len(s.text)
+        texts = self.tokenizer.decode_batch([s.token_ids for s in states],
+                                            skip_special_tokens=True)
+        for s, text in zip(states, texts):
+            s.text = text if s.finish_reason else text.rstrip("\ufffd")   # whole characters
 
 class LLM:
     """Offline generation in vLLM's shape: LLM(model_dir).generate(prompts, SamplingParams(...))
@@ -2235,6 +2226,43 @@ def receive_outputs(client: EngineCoreClient, loop: asyncio.AbstractEventLoop):
                 loop.call_soon_threadsafe(client._deliver_messages, messages)
         except (EOFError, OSError):
             loop.call_soon_threadsafe(engine_died, client)   # chapter: faults
+
+# ---------------------------------------------------------------------------
+# Chapter: incremental detokenization
+# Part one decodes each request's tokens again, whole, at every step: a long stream's cost grows
+# with the square of its length. Here each request keeps a window of the tokens last shown, and a
+# step decodes only the window and what came after it. The window's first tokens give the new
+# ones their context, since a token may render differently after another (a leading space). So
+# the text is the same as part one's.
+# Extends: RequestState (the window's offsets), FrontEnd (_detokenize).
+
+class IncrementalRequestState(RequestState):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the window, as indices (slices would copy the whole token_ids every step)
+        self.prefix_offset = self.read_offset = self.num_read_chars = 0   # [prefix, read): shown
+
+class IncrementalFrontEnd(FrontEnd):
+    state_class = IncrementalRequestState
+
+    def _detokenize(self, states: list):
+        """Part one's text, made by appending each request's newly completed text, all requests
+        in one batched decode. The shown tokens [prefix_offset, read_offset) are decoded again
+        as context, then with the new ones. Say tokens 0-4 are shown (offsets 3, 5), and 5-6 arrive. decode(3:5) = "ab" and
+        decode(3:) = "abcd", so "cd" is added, and the offsets become 5, 7. Text that ends in
+        U+FFFD (half a character) is added up to it, and the offsets wait for the token that
+        ends it (num_read_chars: len(text) when they last moved). At the end, all is added."""
+        if self.tokenizer is None or not states:
+            return
+        windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
+                                                s.token_ids[s.prefix_offset:])]
+        texts = self.tokenizer.decode_batch(windows, skip_special_tokens=True)
+        for s, before, after in zip(states, texts[0::2], texts[1::2]):
+            done = after if s.finish_reason else after.rstrip("\ufffd")   # whole characters
+            s.text += done[len(before) + len(s.text) - s.num_read_chars:]
+            if len(after) > len(before) and done == after:   # no half character: move on
+                s.prefix_offset, s.read_offset = s.read_offset, len(s.token_ids)
+                s.num_read_chars = len(s.text)
 
 # ---------------------------------------------------------------------------
 # Chapter: stop strings
@@ -4500,8 +4528,12 @@ class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, GrammarE
         DefaultRunner
     sequence_class = DefaultSequence
 
-class DefaultFrontEnd(StopStringFrontEnd, GrammarFrontEnd, LogprobsFrontEnd, FrontEnd):
+class DefaultRequestState(StopStringRequestState, IncrementalRequestState, RequestState):
     pass
+
+class DefaultFrontEnd(StopStringFrontEnd, IncrementalFrontEnd, GrammarFrontEnd, LogprobsFrontEnd,
+                      FrontEnd):
+    state_class = DefaultRequestState
 
 class DefaultClient(MetricsClient, EngineCoreProcessClient):
     pass

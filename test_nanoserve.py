@@ -2574,6 +2574,30 @@ def test_served_drafts_keep_text_that_ends_mid_character(smol_llm):
         client.shutdown()
 
 
+def test_part_one_detokenizes_as_the_window():
+    """Part one's text (each request's tokens decoded again, whole, at every step) equals the
+    incremental detokenization chapter's window at every step, with tokens arriving 1 to 3 at a
+    time: accents, CJK, an emoji split over byte tokens, runs of spaces, and random tokens."""
+    ensure_smol()
+    cfg = Config(device="cpu", num_threads=1)
+    fronts = ns.FrontEnd(cfg, 1), ns.IncrementalFrontEnd(cfg, 1)
+    text_ids = fronts[0].encode("Héllo wörld, 日本語 😀 ok\n  spaced   out ", add_special_tokens=False)
+    gen = random.Random(0)
+    for trial in range(20):
+        tokens = text_ids + [gen.randrange(cfg.vocab_size) for _ in range(trial * 3)]
+        states = [f.state_class("r", [1], ns.SamplingParams(), True) for f in fronts]
+        i = 0
+        while i < len(tokens):
+            n = gen.randint(1, 3)
+            for front, state in zip(fronts, states):
+                state.token_ids += tokens[i:i + n]
+                state.finish_reason = "length" if i + n >= len(tokens) else None
+                front._detokenize([state])
+            assert states[0].text == states[1].text, (trial, i)
+            i += n
+        assert states[0].text == fronts[0].decode(tokens)
+
+
 def test_utf8_stream(client):
     """A character split over several tokens is sent whole, in one piece."""
     prompt = "Translate to Japanese and Chinese with emoji: I love cats 🐱 ->"
