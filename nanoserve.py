@@ -4066,8 +4066,8 @@ class APIServer(OpenAIServer):
 class _EventStream:
     """A stream's response at raw ASGI, for speed: each event goes out in one `send` as it comes.
     Starlette's StreamingResponse runs the writing in a task group of its own (under uvicorn's
-    ASGI spec 2.3), which costs the event loop a little per event; at a burst of streams that is
-    the loop's time. Here a task of its own listens for the client leaving, then cancels the
+    ASGI spec 2.3); at a burst of 400 streams this served about 6% more tokens a second than it,
+    in one GPU lease (README's Speed section). Here a task of its own listens for the client leaving, then cancels the
     writing, whose CancelledError closes the events: their `finally` (the abort) runs at once."""
     headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
@@ -4119,6 +4119,12 @@ class MetricsClient(EngineCoreClient):
         for state in states:
             self.metrics.observe(state, now)
         return states
+
+    def _abort(self, request_ids: list):
+        """An aborted request gets no last state to observe: its clock goes here."""
+        for request_id in request_ids:
+            self.metrics.clocks.pop(request_id, None)
+        super()._abort(request_ids)
 
 class ServerMetrics:
     """Prometheus' view: latency histograms observed in the server process, and the engine core's
