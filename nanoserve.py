@@ -68,7 +68,7 @@ part-one function at the end of the file (speed_line, LLM.run), for --part-one's
 
 from __future__ import annotations
 
-import argparse, asyncio, contextlib, dataclasses, faulthandler, functools, hmac, json, math
+import argparse, asyncio, contextlib, copy, dataclasses, faulthandler, functools, hmac, json, math
 import multiprocessing, os, queue, re, signal, socket, sys, threading, time, traceback, uuid
 import multiprocessing.connection, multiprocessing.resource_tracker, multiprocessing.util, weakref
 from collections import OrderedDict, deque
@@ -98,7 +98,7 @@ import paged_attention as pa
 #   B        sequences in a step (or rows of a padded CUDA-graph batch);  T  tokens of one sequence
 #   N_tok    tokens of a step, all sequences flattened (prefill chunks + decodes)
 #   D        hidden size;  I  MLP intermediate size;  V  vocabulary size
-#   n_heads  query heads;  n_kv  key/value heads (a rank's share, tensor-parallel);  hd  head dim
+#   n_heads  query heads;  n_kv  key/value heads;  hd  head dim
 #   num_blocks, block_size   the paged KV pool: block_size tokens per block
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "weights" / "SmolLM2-135M-Instruct")
@@ -220,8 +220,6 @@ class Config:
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
     def _check(self):
-        if not 0 <= (k := self.num_speculative_tokens) <= 15:   # chapter: speculative decoding
-            raise ValueError(f"num_speculative_tokens must be in [0, 15], got {k}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_heads % self.num_kv_heads:
@@ -239,15 +237,13 @@ class Config:
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
         # Part one's engine acts on none of these: run with it, they are refused, not ignored (a
-        # pool in the model's dtype, no drafts, one GPU, no API key or body limit, no tool calls,
-        # where the user asked else).
-        for name in ("kv_cache_dtype", "num_speculative_tokens", "tensor_parallel_size", "api_key",
-                     "max_request_bytes", "tool_call_parser"):
+        # pool and weights in the model's dtype, no drafts, one GPU, no API key or body limit, no
+        # tool calls, where the user asked else).
+        for name in ("kv_cache_dtype", "quantization", "num_speculative_tokens",
+                     "tensor_parallel_size", "api_key", "max_request_bytes", "tool_call_parser"):
             if self.part_one and getattr(self, name) != self.__dataclass_fields__[name].default:
                 raise ValueError(f"part one's engine (--part-one) has no {name}: leave it at "
                                  f"its default, or leave out --part-one")
-        check_fp8(self)                                        # chapter: fp8 weights
-        check_fp8_kv_cache(self)                               # chapter: fp8 KV cache
 
     torch_dtype = property(lambda self: getattr(torch, self.dtype))
 
@@ -259,9 +255,8 @@ class Config:
 
 def engine_name(key: str, cfg: Config) -> tuple[str, slice]:
     """Where a checkpoint tensor lands: (engine parameter, row slice of it)."""
-    tp = cfg.tensor_parallel_size      # chapter: tensor parallelism (a rank's 1/tp; 1 when off)
-    q, kv = cfg.num_heads * cfg.head_dim // tp, cfg.num_kv_heads * cfg.head_dim // tp
-    i = cfg.intermediate_size // tp                            # I
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    i = cfg.intermediate_size                                  # I
     fused = {"q_proj": ("qkv_proj", slice(0, q)), "k_proj": ("qkv_proj", slice(q, q + kv)),
              "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
              "gate_proj": ("gate_up_proj", slice(0, i)),
@@ -278,30 +273,33 @@ def _progress(msg: str, end: bool = False):
     elif end:
         print(msg, file=sys.stderr, flush=True)
 
-@torch.no_grad()
-def load_weights(model: nn.Module, cfg: Config):
-    """Copy every checkpoint tensor into its slice; fail on anything missing or extra."""
+def read_checkpoint(cfg: Config):
+    """Each tensor of the checkpoint in cfg.model, as (its Hugging Face name, the tensor)."""
     from safetensors import safe_open
     index = Path(cfg.model, "model.safetensors.index.json")   # as transformers: not consolidated.*
     names = json.loads(index.read_text())["weight_map"].values() if index.is_file() else []
-    files = [Path(cfg.model, name) for name in sorted({*names} or {"model.safetensors"})]
+    for name in sorted({*names} or {"model.safetensors"}):
+        with safe_open(str(Path(cfg.model, name)), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+@torch.no_grad()
+def load_weights(model: nn.Module, cfg: Config, tensors):
+    """Copy each of `tensors` (read_checkpoint's pairs) into its slice; fail on anything missing
+    or extra."""
     params, num_done = dict(model.named_parameters()), 0
     num_rows_loaded = dict.fromkeys(params, 0)
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if "rotary_emb" in key or (key == "lm_head.weight" and cfg.tie_word_embeddings):
-                    continue  # derived from the config / tied to the embedding
-                target, rows = engine_name(key, cfg)
-                if target not in params:
-                    raise ValueError(f"unexpected tensor {key!r} in {path.name}")
-                # chapter: tensor parallelism (a rank's cut of the tensor; all of it when off)
-                tensor = pa.shard(f.get_tensor(key), key, cfg.tensor_parallel_size)
-                params[target].data[rows].copy_(tensor)  # copy_ casts to the engine dtype
-                num_rows_loaded[target] += tensor.shape[0]
-                num_done += 1
-                _progress(f"loading weights: {num_done} tensors")
-    _progress(f"loaded {num_done} tensors from {len(files)} file(s)", end=True)
+    for key, tensor in tensors:
+        if "rotary_emb" in key or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # derived from the config / tied to the embedding
+        target, rows = engine_name(key, cfg)
+        if target not in params:
+            raise ValueError(f"unexpected tensor {key!r} in {cfg.model}")
+        params[target].data[rows].copy_(tensor)  # copy_ casts to the engine dtype
+        num_rows_loaded[target] += tensor.shape[0]
+        num_done += 1
+        _progress(f"loading weights: {num_done} tensors")
+    _progress(f"loaded {num_done} tensors", end=True)
     missing = [n for n, p in params.items() if num_rows_loaded[n] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint is missing {missing[:3]}{'...' if len(missing) > 3 else ''}")
@@ -378,8 +376,7 @@ class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv K/V heads."""
     def __init__(self, cfg: Config):
         super().__init__()
-        tp = cfg.tensor_parallel_size      # chapter: tensor parallelism (a rank's 1/tp; 1 when off)
-        self.n_heads, self.n_kv, self.hd = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.n_heads * self.hd, self.n_kv * self.hd
         self.split_sizes = [q_size, kv_size, kv_size]      # the rows of q, k, v in qkv_proj
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)  # Qwen2
@@ -405,24 +402,22 @@ class Attention(nn.Module):
         self.rope_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, positions,
                         rope.cos, rope.sin, self.q_norm, self.k_norm)
         o = self.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # (N_tok, n_heads, hd)
-        # all_reduce: chapter: tensor parallelism (nothing when off)
         return pa.linear(o.reshape(n, self.n_heads * self.hd), self.o_proj.weight,
-                         residual=residual, all_reduce=True)   # (N_tok, D)
+                         residual=residual)                    # (N_tok, D)
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused in one matmul."""
     def __init__(self, cfg: Config):
         super().__init__()
-        I = cfg.intermediate_size // cfg.tensor_parallel_size   # chapter: tensor parallelism
+        I = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * I, bias=False)
         self.down_proj = nn.Linear(I, cfg.hidden_size, bias=False)
 
     def forward(self, x, norm=None, residual=None):           # (N_tok, D)
         """residual + mlp(norm(x)), norm and residual optional."""
         gate_up = pa.linear(x, self.gate_up_proj.weight, norm=norm)   # (N_tok, 2 I)
-        # all_reduce: chapter: tensor parallelism (nothing when off)
-        return pa.linear(gate_up, self.down_proj.weight, silu_mul=True, residual=residual,
-                         all_reduce=True)                      # (N_tok, D)
+        return pa.linear(gate_up, self.down_proj.weight, silu_mul=True,
+                         residual=residual)                    # (N_tok, D)
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config):
@@ -465,14 +460,14 @@ class Model(nn.Module):
         w = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return pa.linear(hidden, w, norm=self.norm)            # (B, V)
 
-def build_model(cfg: Config) -> Model:
-    """Allocate the model on its device without a throwaway random init, then load."""
+def build_model(cfg: Config, tensors=None) -> Model:
+    """Allocate the model on its device without a throwaway random init, then load `tensors`,
+    by default the checkpoint's (read_checkpoint)."""
     with torch.device("meta"):
         model = Model(cfg)
     model = model.to(cfg.torch_dtype).to_empty(device=cfg.device)  # memory, not values
     model.rope = RotaryEmbedding(cfg).to(cfg.device)           # buffers were meta; recompute
-    load_weights(model, cfg)
-    quantize_fp8_weights(model, cfg)                           # chapter: fp8 weights
+    load_weights(model, cfg, read_checkpoint(cfg) if tensors is None else tensors)
     return model.eval()
 
 # ---------------------------------------------------------------------------
@@ -743,7 +738,7 @@ class ModelRunner:
         self.use_cuda = self.device.type == "cuda"
         if self.device.type == "cpu":        # here, where the step loop runs, not in the server
             pa.set_cpu_threads(cfg.num_threads)
-        self.model = build_model(cfg)
+        self.model = self.load_model()
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
         S, T, dev = cfg.max_num_seqs, cfg.max_num_batched_tokens, self.device
         self.buffers = dict(
@@ -755,6 +750,9 @@ class ModelRunner:
             block_tables=torch.zeros(S, self.max_blocks_per_seq, dtype=torch.int32, device=dev))
         self.num_blocks = self.allocate_kv_cache()
 
+    def load_model(self) -> Model:
+        return build_model(self.cfg)
+
     def close(self):
         """Release what the runner holds beyond its memory: nothing, in part one."""
 
@@ -765,32 +763,34 @@ class ModelRunner:
         return self.cfg.torch_dtype
 
     def _bind_kv_cache(self, num_blocks: int):
-        cfg, n_kv = self.cfg, self.model.layers[0].attn.n_kv       # n_kv: this rank's
+        cfg, n_kv = self.cfg, self.model.layers[0].attn.n_kv
         kv = torch.empty(2, cfg.num_layers, num_blocks, cfg.block_size, n_kv, cfg.head_dim,
                          dtype=self.kv_cache_dtype, device=self.device)
         for layer, k, v in zip(self.model.layers, *kv):   # each (num_blocks, block_size, n_kv, hd)
             layer.attn.k_cache, layer.attn.v_cache = k, v
 
-    def allocate_kv_cache(self) -> int:
-        cfg, dtype = self.cfg, self.kv_cache_dtype
+    def num_kv_blocks(self) -> int:
+        """The pool's size: cfg.num_blocks, else as many blocks as the memory left holds."""
+        cfg = self.cfg
         block_bytes = (2 * cfg.num_layers * cfg.block_size * self.model.layers[0].attn.n_kv
-                       * cfg.head_dim * dtype.itemsize)                # n_kv: this rank's
+                       * cfg.head_dim * self.kv_cache_dtype.itemsize)
         if cfg.num_blocks:
-            num_blocks = cfg.num_blocks
-        elif self.use_cuda:
+            return cfg.num_blocks
+        if self.use_cuda:
             # The KV pool gets what the profiled peak (weights and the largest step) leaves.
             total = torch.cuda.get_device_properties(self.device).total_memory
-            num_blocks = int((total * cfg.gpu_memory_utilization - self.profile_peak_bytes())
-                             // block_bytes)
-        else:
-            num_blocks = int(cfg.cpu_kv_cache_gb * 1e9 // block_bytes)
-        num_blocks = pa.min_over_ranks(num_blocks, self.device)   # chapter: tensor parallelism
+            return int((total * cfg.gpu_memory_utilization - self.profile_peak_bytes())
+                       // block_bytes)
+        return int(cfg.cpu_kv_cache_gb * 1e9 // block_bytes)
+
+    def allocate_kv_cache(self) -> int:
+        num_blocks, cfg = self.num_kv_blocks(), self.cfg
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache: lower max_num_batched_tokens "
                              "or raise gpu_memory_utilization (on cpu: cpu_kv_cache_gb)")
         self._bind_kv_cache(num_blocks)
         _progress(f"KV cache: {num_blocks} blocks of {cfg.block_size} tokens, "
-                  f"{num_blocks * cfg.block_size} tokens, {dtype}", end=True)
+                  f"{num_blocks * cfg.block_size} tokens, {self.kv_cache_dtype}", end=True)
         return num_blocks
 
     @torch.no_grad()
@@ -1385,20 +1385,27 @@ class EngineCoreClient:
 
     def _run(self, loop: asyncio.AbstractEventLoop):
         """The engine core's thread: take what the server sent (block only when idle), step,
-        and hand the step's outputs to the event loop, until `None` comes (shutdown)."""
-        while True:
-            items = [] if self.engine.has_unfinished() else [self.outgoing.get()]
-            while not self.outgoing.empty():
-                items.append(self.outgoing.get())
-            if None in items:
-                return
-            for item in (item for message in items for item in message):   # in the order sent
-                if isinstance(item, EngineCoreAbort):
-                    self.engine.abort_request(item.request_id)
-                else:
-                    self.engine.add_request(item)
-            if self.engine.has_unfinished():
-                loop.call_soon_threadsafe(self._deliver, self._step())
+        and hand the step's outputs to the event loop, until `None` comes (shutdown). A step's
+        fault ends its requests (_step). Any other ends the thread, and with it the engine:
+        `error` says why, and every request in flight ends with it (fail_all)."""
+        try:
+            while True:
+                items = [] if self.engine.has_unfinished() else [self.outgoing.get()]
+                while not self.outgoing.empty():
+                    items.append(self.outgoing.get())
+                if None in items:
+                    return
+                for item in (item for message in items for item in message):  # in the order sent
+                    if isinstance(item, EngineCoreAbort):
+                        self.engine.abort_request(item.request_id)
+                    else:
+                        self.engine.add_request(item)
+                if self.engine.has_unfinished():
+                    loop.call_soon_threadsafe(self._deliver, self._step())
+        except Exception as e:
+            traceback.print_exc()
+            self.error = f"the engine core stopped: {e!r}"
+            loop.call_soon_threadsafe(self.fail_all)
 
     def _step(self) -> list:
         """One step's outputs. A step that raises ends every request in error, not the server.
@@ -1425,9 +1432,9 @@ class EngineCoreClient:
                     for i, (ids, p) in enumerate(requests)]
         unfinished = {r.request_id for r in requests}
         try:
-            if self.error:                          # died since the handler checked
-                fail_all(self)                      # chapter: faults
-            self.outgoing.put(requests)             # a dead process: receive says so
+            if self.error:                          # gone since the handler checked
+                self.fail_all()
+            self.outgoing.put(requests)
             while unfinished:
                 state = await changed.get()
                 if state.request_id in unfinished:  # else a late repeat of a finished one
@@ -1438,6 +1445,14 @@ class EngineCoreClient:
             for request_id in unfinished:
                 self.front.states.pop(request_id, None)
             self._abort(list(unfinished))
+
+    def fail_all(self):
+        """On the event loop, once the engine core is gone: every request in flight ends in
+        error, with `error`."""
+        for state in self.front.states.values():
+            state.finish_reason, state.error = "error", self.error
+            state.queue.put_nowait(state)
+        self.front.states.clear()
 
     def _abort(self, request_ids: list):
         if request_ids and not self.error:
@@ -2548,8 +2563,8 @@ class BurstRuleScheduler(Scheduler):
 # Extends: Sequence (its n-gram index and guess), Scheduler (schedule adds the drafts),
 # ModelRunner (_flatten lays out the drafts; prepare follows the accepted ones), EngineCore
 # (_read_back keeps the accepted rows; _step_before reads a drafting step back first where rows
-# do not follow it on the device). Config._check holds k <= 15: a row's 1 + k rows fit the
-# 16-wide tile of pa.follow_accepted and follow_accepted_drafts' 16 columns.
+# do not follow it on the device). SpeculativeRunner's __init__ holds k <= 15: a row's 1 + k
+# rows fit the 16-wide tile of pa.follow_accepted and follow_accepted_drafts' 16 columns.
 
 class SpeculativeSequence(Sequence):
     def __init__(self, *args):
@@ -2725,6 +2740,11 @@ def follow_accepted_drafts(runner: ModelRunner, batch: ScheduledBatch, pending: 
                        runner.cfg.block_size)
 
 class SpeculativeRunner(AsyncRunner):
+    def __init__(self, cfg: Config):
+        if not 0 <= (k := cfg.num_speculative_tokens) <= 15:     # before anything loads
+            raise ValueError(f"num_speculative_tokens must be in [0, 15], got {k}")
+        super().__init__(cfg)
+
     def _flatten(self, batch: ScheduledBatch):
         """AsyncRunner._flatten, with each drafting row's drafts after its newest token; each of
         its d + 1 last rows samples. A batch without drafts takes the plain loop."""
@@ -3506,13 +3526,14 @@ class GrammarEngineCore(EngineCore):
 # Chapter: tensor parallelism
 # With tensor_parallel_size N the model is cut over N GPUs (gloo processes on the CPU), in
 # Megatron-LM's way. Column-parallel matmuls (q, k, v; gate, up) keep a rank's n_heads/N query
-# heads, n_kv/N KV heads and I/N channels, so attention and SiLU-and-mul need no other rank.
-# Row-parallel ones (o, down) leave a partial (N_tok, D) sum on each rank. An all-reduce adds
-# the partial sums up, twice a layer, in pa.linear (all_reduce=True). Rank 0's part alone brings
-# the residual, so the sum counts it once. The embedding, norms and LM head stay whole, so every
-# rank holds the same residual stream. A rank's KV pool holds its n_kv/N heads, in the same
-# blocks. pa.shard cuts each checkpoint tensor (a q, k or v bias as its weight's rows) as the
-# loader reads it.
+# heads, n_kv/N KV heads and I/N channels, so attention and SiLU-and-mul need no other rank: a
+# rank's model is part one's Model of a config with those sizes (build_shard). Row-parallel ones
+# (o, down) leave a partial (N_tok, D) sum on each rank. An all-reduce adds the partial sums up,
+# twice a layer, at the end of each Attention and MLP (sum_over_ranks, a forward hook). Rank 0's
+# part alone brings the residual, so the sum counts it once. The embedding, norms and LM head
+# stay whole, so every rank holds the same residual stream. A rank's KV pool holds its n_kv/N
+# heads, in the same blocks. pa.shard cuts each checkpoint tensor (a q, k or v bias as its
+# weight's rows) as the loader reads it.
 # The engine core is rank 0, and start_workers runs ranks 1..N-1, each a process of its own.
 # Rank 0 alone schedules, computes logits and samples. The last all-reduce gives every rank the
 # same hidden states, and sampling reads host state (generators, grammars, tokens) that only
@@ -3520,10 +3541,10 @@ class GrammarEngineCore(EngineCore):
 # input ids follow by a device broadcast, since a pending token is on rank 0's GPU only.
 # Start-up (loading, the pool's size, CUDA graphs with their all-reduces) runs alike on every
 # rank.
-# Extends: ModelRunner (__init__ starts the workers; put_step sends them each step's plan;
-# close stops them). Seams: engine_name, load_weights (pa.shard), Attention and MLP (a rank's
-# heads and channels; all_reduce), allocate_kv_cache (pa.min_over_ranks), fail_running
-# (stop_out_of_step), run_engine_core (exit_on_worker_death, exit_on_failed_step).
+# Extends: ModelRunner (__init__ starts the workers; load_model builds the rank's shard;
+# num_kv_blocks takes the least over the ranks; put_step sends the workers each step's plan;
+# close stops them). The faults and engine core process chapters call stop_out_of_step
+# (fail_running), exit_on_worker_death and exit_on_failed_step (run_engine_core).
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner, with the workers started first and stopped if its start-up fails
@@ -3534,6 +3555,13 @@ class TensorParallelRunner(ModelRunner):
         with start_up(self.workers):
             super().__init__(cfg)
 
+    def load_model(self) -> Model:
+        return build_shard(self.cfg)
+
+    def num_kv_blocks(self) -> int:
+        """The least of every rank's count (each rank's pool, sized from its own memory)."""
+        return pa.min_over_ranks(super().num_kv_blocks(), self.device)
+
     def put_step(self, flat: dict, N: int, S: int, width: int, is_decode: bool) -> tuple:
         send_step(self.workers, (flat, N, S, width, is_decode))   # put_step's arguments
         inputs = super().put_step(flat, N, S, width, is_decode)
@@ -3543,6 +3571,35 @@ class TensorParallelRunner(ModelRunner):
     def close(self):
         stop_workers(self.workers)
         super().close()
+
+def build_shard(cfg: Config) -> Model:
+    """This rank's shard of the model: part one's Model of the rank's heads and channels, loaded
+    with each checkpoint tensor's cut (pa.shard), whose Attention and MLP sum over the ranks."""
+    tp, shard_cfg = cfg.tensor_parallel_size, copy.copy(cfg)
+    shard_cfg.num_heads, shard_cfg.num_kv_heads, shard_cfg.intermediate_size = (
+        cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp)
+    model = build_model(shard_cfg, ((key, pa.shard(t, key, tp)) for key, t in read_checkpoint(cfg)))
+    if tp > 1:
+        for layer in model.layers:
+            for module in (layer.attn, layer.mlp):
+                module.register_forward_pre_hook(residual_on_rank0, with_kwargs=True)
+                module.register_forward_hook(sum_over_ranks)
+    return model
+
+def residual_on_rank0(module, args, kwargs):
+    """Before a row-parallel layer (Attention, MLP): the residual joins rank 0's partial sum
+    alone, so the sum over ranks counts it once (at batch 1 still added in the kernel that
+    reads the weight)."""
+    if dist.get_rank() > 0:
+        kwargs["residual"] = None
+    return args, kwargs
+
+def sum_over_ranks(module, args, out):                        # (N_tok, D), in place
+    """After it: every rank's partial (N_tok, D) summed, so each holds the whole. In a CUDA
+    graph the all-reduce is captured like any kernel (NCCL supports stream capture), on every
+    rank in the same graph sizes."""
+    dist.all_reduce(out)
+    return out
 
 def start_workers(cfg, make_runner):
     """On rank 0 with cfg.tensor_parallel_size > 1: start ranks 1..N-1, each a process that
@@ -3769,7 +3826,8 @@ def _worker_main(make_runner, cfg, rank, port, pipe):
 # multiplies on the fp8 tensor cores. A larger batch quantizes x per token for them (linear_fp8).
 # The kernels and their torch references are in paged_attention.py. On a CPU the reference widens
 # the weights at every step, which is correct but slower than fp32.
-# Seams: Config._check (check_fp8), build_model (quantize_fp8_weights).
+# Extends: ModelRunner (__init__ checks the device, check_fp8; load_model quantizes the model it
+# loaded, quantize_fp8_weights).
 
 def check_fp8(cfg: Config):
     """fp8 on a GPU needs fp8 tensor cores (compute capability 8.9 or above: Ada, Hopper). On a
@@ -3790,6 +3848,16 @@ def quantize_fp8_weights(model: Model, cfg: Config):
         if isinstance(module, nn.Linear):
             module.weight = pa.quantize_fp8(module.weight)   # (N, K) e4m3, .scale (N,)
 
+class Fp8WeightsRunner(ModelRunner):
+    def __init__(self, cfg: Config):
+        check_fp8(cfg)                                        # before anything loads
+        super().__init__(cfg)
+
+    def load_model(self) -> Model:
+        model = super().load_model()             # under tensor parallelism, this rank's shard
+        quantize_fp8_weights(model, self.cfg)
+        return model
+
 # ---------------------------------------------------------------------------
 # Chapter: fp8 KV cache
 # With kv_cache_dtype="fp8" the KV pool holds keys and values in fp8 e4m3, one byte each where
@@ -3802,8 +3870,8 @@ def quantize_fp8_weights(model: Model, cfg: Config):
 # preemption, drafts and tensor parallelism need nothing of their own. On the CPU the sdpa path
 # widens what it reads from the pool, as the kernels do, so a lone sequence's K/V are copied
 # where they were read in place. README.md's fp8 KV cache section has the quality it costs.
-# Seam: Config._check (check_fp8_kv_cache). Fp8KVCacheRunner overrides ModelRunner's
-# kv_cache_dtype, which sizes and allocates the pool.
+# Extends: ModelRunner (__init__ checks the device, check_fp8_kv_cache; kv_cache_dtype, which
+# sizes and allocates the pool).
 
 def check_fp8_kv_cache(cfg: Config):
     """Triton converts to and from e4m3 on compute capability 8.9 or above (Ada, Hopper)."""
@@ -3813,6 +3881,10 @@ def check_fp8_kv_cache(cfg: Config):
                          "Hopper); run this GPU with --kv-cache-dtype auto")
 
 class Fp8KVCacheRunner(ModelRunner):
+    def __init__(self, cfg: Config):
+        check_fp8_kv_cache(cfg)                               # before anything loads
+        super().__init__(cfg)
+
     @property
     def kv_cache_dtype(self) -> torch.dtype:
         """The KV pool's dtype: e4m3 with kv_cache_dtype="fp8", else part one's (the model's)."""
@@ -4376,7 +4448,7 @@ class _ResponsesShape:
 # once with its workers.
 # Extends: LLM.run (wrapped at the end of the file: ends_every_request, for part one's engine
 # too). Seams: run_engine_core (fail_running), EngineCoreClient
-# (child_stopped_on_error, sigint_held; receive and generate: engine_died, fail_all) and
+# (child_stopped_on_error, sigint_held; receive: engine_died) and
 # run_engine_core (follow_parent); the tensor-parallel workers use the last two alike.
 
 def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) -> list:
@@ -4425,13 +4497,7 @@ def engine_died(client: EngineCoreClient):
     client.process.join(1)
     client.error = f"the engine core process exited (exit code {client.process.exitcode})"
     print(f"error: {client.error}; failing every request in flight", file=sys.stderr)
-    fail_all(client)
-
-def fail_all(client: EngineCoreClient):
-    for state in client.front.states.values():
-        state.finish_reason, state.error = "error", client.error
-        state.queue.put_nowait(state)
-    client.front.states.clear()
+    client.fail_all()
 
 @contextlib.contextmanager
 def child_stopped_on_error(process, outbox):
@@ -4511,7 +4577,8 @@ def _exit_with(ends):
 # extensions. In each class below, a method runs the chapters' versions left to right, each
 # handing on to the next with super(), and part one's last. So the order says who wraps whom:
 # prefix caching's _commit names the blocks after async scheduling's has read the step back,
-# and speculative decoding's schedule adds drafts to the batch the others have built. In the
+# and speculative decoding's schedule adds drafts to the batch the others have built. fp8
+# weights' load_model quantizes what tensor parallelism's builds (a rank's shard). In the
 # server, APIServer comes first: its routes() puts the Responses route behind the API key too.
 # Two part-one functions are wrapped here too: generate's speed line (with_drafts_accepted) and
 # LLM.run (ends_every_request). LLM is part one's class, so its --part-one runs get both.
@@ -4524,8 +4591,8 @@ class DefaultScheduler(SpeculativeScheduler, BurstRuleScheduler, PrefixCachingSc
                        AsyncScheduler, Scheduler):
     pass
 
-class DefaultRunner(SpeculativeRunner, CUDAGraphRunner, TensorParallelRunner, Fp8KVCacheRunner,
-                   GrammarRunner, LogprobsRunner, AsyncRunner, ModelRunner):
+class DefaultRunner(SpeculativeRunner, CUDAGraphRunner, Fp8WeightsRunner, TensorParallelRunner,
+                   Fp8KVCacheRunner, GrammarRunner, LogprobsRunner, AsyncRunner, ModelRunner):
     pass
 
 class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, GrammarEngineCore,

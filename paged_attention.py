@@ -22,10 +22,9 @@ owns in order. This file holds the kernels that touch that pool:
                              which CUDA graphs are captured, and which one replays a step
     apply_token_mask         a grammar's mask applied to the logits in place, in one launch
                              (nanoserve's structured-output chapter fills the masks)
-    shard, row_parallel_linear
-                             tensor parallelism's primitives: a rank's cut of each weight, and
-                             the all-reduce after o and down (nanoserve's tensor-parallelism
-                             chapter runs the ranks)
+    shard, min_over_ranks    tensor parallelism's primitives: a rank's cut of each weight, and
+                             the pool's size over the ranks (nanoserve's tensor-parallelism
+                             chapter runs the ranks and sums o's and down's partial products)
 
 and, for decode, a GEMV (one-row matmul) and a skinny matmul (up to 16 rows, one read of the weight
 for all of them) that apply RMSNorm or SiLU-and-mul to their input and add the residual to their
@@ -190,8 +189,8 @@ def norm(x, weight, eps):                                   # (N_tok, D)
     return rms_norm(x, weight, eps) if x.is_cuda else rms_norm_ref(x, weight, eps)
 
 
-def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
-           all_reduce=False):                             # (N_tok, K) -> (N_tok, N)
+def linear(x, weight, norm=None, silu_mul=False, residual=None,
+           bias=None):                                    # (N_tok, K) -> (N_tok, N)
     """The contract: residual + f(x) @ weight.T + bias, rounded as gemv_ref rounds. f is the
     RMSNorm module `norm`, SiLU-and-mul (x = [gate, up]) or nothing. residual (N_tok, N) and bias
     (N,) are optional. x, residual and the output are in the model's dtype. Every matmul of a
@@ -208,13 +207,10 @@ def linear(x, weight, norm=None, silu_mul=False, residual=None, bias=None,
     every row shares, and takes the residual's path.
     An fp8 weight carries its scales (quantize_fp8). The GEMV and the skinny matmul read it as
     it is, a larger bf16 batch on the GPU takes linear_fp8, and anything else widens it
-    (linear_fp8_ref: correct, and slower). `all_reduce` marks a row-parallel matmul, summed over
-    the tensor-parallel ranks (row_parallel_linear). (`norm` here is the RMSNorm module passed
-    in, whose forward calls the `norm` function above.)"""
+    (linear_fp8_ref: correct, and slower). (`norm` here is the RMSNorm module passed in, whose
+    forward calls the `norm` function above.)"""
     if bias is not None:
         residual = bias.expand(x.shape[0], -1) if residual is None else residual + bias
-    if all_reduce and tensor_parallel_size() > 1:             # tensor parallelism
-        return row_parallel_linear(x, weight, norm, silu_mul, residual)
     norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     scale = weight.scale if weight.dtype == FP8 else None     # fp8 weights: (N,) fp32
     M = x.shape[0]
@@ -1912,10 +1908,10 @@ def apply_token_mask_triton(logits, rows, bitmask, BLOCK_WORDS=32):
 
 
 # ----------------------------------------------------------------------------
-# Tensor parallelism: the shard rule and the row-parallel all-reduce
+# Tensor parallelism: the shard rule, and the ranks' collectives
 # nanoserve's tensor-parallelism chapter tells the design (what is split, where
 # the sums are, why rank 0 alone samples) and runs the ranks; here are the
-# primitives a layer calls. The ranks form torch.distributed's default process
+# primitives it calls. The ranks form torch.distributed's default process
 # group (NCCL between GPUs, gloo between CPU processes), and a rank is its rank
 # there: one tensor-parallel engine per process.
 
@@ -1942,18 +1938,6 @@ def shard(tensor, name, size):
         return tensor
     assert tensor.shape[dim] % size == 0, f"{name} {tuple(tensor.shape)} does not split by {size}"
     return tensor.chunk(size, dim)[dist.get_rank() if dist.is_initialized() else 0]
-
-
-def row_parallel_linear(x, weight, norm, silu_mul, residual):  # (N_tok, K / size) -> (N_tok, N)
-    """linear over this rank's input columns: a partial product of the whole output,
-    then summed over the ranks in place (all-reduce), so every rank holds the whole
-    (N_tok, N). The residual joins rank 0's part only, counted once in the sum (at
-    batch 1 the GEMV still adds it in the kernel that reads the weight). In a CUDA
-    graph the all-reduce is captured like any other kernel (NCCL supports stream
-    capture), on every rank in the same graph sizes."""
-    y = linear(x, weight, norm, silu_mul, residual if dist.get_rank() == 0 else None)
-    dist.all_reduce(y)
-    return y
 
 
 def broadcast_from_rank0(t):

@@ -181,6 +181,7 @@ def prefill_meta(T, block_size=16):
 def ours_and_hf(model_dir, hf, **settings):
     cfg = ns.Config(model=model_dir, device="cpu", num_blocks=64, block_size=16, **settings)
     model = ns.build_model(cfg)
+    ns.quantize_fp8_weights(model, cfg)                # with quantization="fp8" (its chapter)
     for layer in model.layers:
         shape = (64, 16, cfg.num_kv_heads, cfg.head_dim)
         layer.attn.k_cache, layer.attn.v_cache = torch.zeros(shape), torch.zeros(shape)
@@ -417,7 +418,8 @@ def test_part_one_equals_default():
 def test_part_one_refuses_what_only_a_chapter_reads():
     """--part-one with a setting that only a chapter reads is refused, one line from the CLI,
     rather than run without it. The fp8 KV pool is the chapter's runner's, not part one's."""
-    for name, value in (("kv_cache_dtype", "fp8"), ("num_speculative_tokens", 3),
+    for name, value in (("kv_cache_dtype", "fp8"), ("quantization", "fp8"),
+                        ("num_speculative_tokens", 3),
                         ("tensor_parallel_size", 2), ("api_key", "k"), ("max_request_bytes", 10),
                         ("tool_call_parser", "hermes")):   # the last three: its server has none
         with pytest.raises(ValueError, match=f"part one's engine \\(--part-one\\) has no {name}"):
@@ -489,6 +491,28 @@ def test_part_one_server_keeps_what_a_failed_step_finished(monkeypatch):
                                                                   ("r1", "error")]
     assert outputs[0].token_id is not None and not engine.seqs
     check_pool_is_free(engine)
+
+
+def test_part_one_server_whose_engine_thread_fails(monkeypatch):
+    """Part one's server, when its engine core's thread raises outside a step (here in
+    add_request): the request in flight ends in error, /health turns 503, and a later request is
+    a 503; none hangs."""
+    cfg = server_config(part_one=True)
+    client = ns.EngineCoreClient(cfg)
+    monkeypatch.setattr(client.engine, "add_request", lambda request: 1 / 0)
+    srv = ServerThread(build_app(client, cfg))
+    try:
+        post = lambda: httpx.post(srv.url + "/v1/completions", timeout=30,
+                                  json={"prompt": "Hi", "max_tokens": 4})
+        r = post()
+        assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"], r.text
+        assert not client.thread.is_alive() and not client.front.states
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 503 and "the engine core stopped" in health.text
+        assert post().status_code == 503
+    finally:
+        srv.stop()
+        client.shutdown()
 
 
 def test_async_scheduling_off_equals_on(smol_llm):
@@ -1568,11 +1592,11 @@ def test_fp8_on_the_cpu_says_it_is_slow(capsys):
     """fp8 weights on the CPU run, and one line at start-up says which path and that it is
     slow; the default path says nothing."""
     ensure_smol()
-    Config(model=DEFAULT_MODEL, device="cpu", quantization="fp8")
+    ns.check_fp8(Config(model=DEFAULT_MODEL, device="cpu", quantization="fp8"))  # Fp8WeightsRunner's
     err = capsys.readouterr().err
     assert err.startswith("fp8 weights on the CPU run the torch reference") and \
         "slower than float32" in err and err.count("\n") == 1, err
-    Config(model=DEFAULT_MODEL, device="cpu")
+    ns.check_fp8(Config(model=DEFAULT_MODEL, device="cpu"))
     assert capsys.readouterr().err == ""
 
 
@@ -4207,7 +4231,7 @@ def run_processes(target, args_of_rank, timeout=240):
 
 def _sharded_layer_rank(rank, port):
     """One rank: layer 0's attention and MLP unsharded (before the group exists, so
-    pa.linear sums nothing), then sharded over TP ranks with their all-reduces;
+    nothing is summed), then sharded over TP ranks with their all-reduces;
     every rank holds the whole output."""
     torch.set_num_threads(1)
     T = 40
@@ -4217,7 +4241,7 @@ def _sharded_layer_rank(rank, port):
         if tp > 1:
             ns._init_group("cpu", rank, tp, port)
         cfg = Config(model=DEFAULT_MODEL, device="cpu", num_blocks=64, tensor_parallel_size=tp)
-        model = ns.build_model(cfg)
+        model = ns.build_shard(cfg)        # the rank's shard (all of it at 1)
         attn = model.layers[0].attn
         shape = (64, 16, cfg.num_kv_heads // tp, cfg.head_dim)  # (num_blocks, block_size, n_kv, hd)
         attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
@@ -4807,6 +4831,7 @@ def fp8_layer_outputs_and_logprobs(quantization, ids):
     cfg = ns.Config(model=ensure_smol(), device="cpu", num_blocks=T // 16 + 1,
                     quantization=quantization)
     model = ns.build_model(cfg)
+    ns.quantize_fp8_weights(model, cfg)                # as Fp8WeightsRunner.load_model
     for layer in model.layers:
         shape = (T // 16 + 1, 16, cfg.num_kv_heads, cfg.head_dim)
         layer.attn.k_cache, layer.attn.v_cache = torch.zeros(shape), torch.zeros(shape)
@@ -4891,7 +4916,8 @@ def _fp8_sharded_rank(rank, port):
             ns._init_group("cpu", rank, tp, port)
         cfg = Config(model=DEFAULT_MODEL, device="cpu", num_blocks=64, tensor_parallel_size=tp,
                      quantization="fp8")
-        model = ns.build_model(cfg)
+        model = ns.build_shard(cfg)
+        ns.quantize_fp8_weights(model, cfg)            # as DefaultRunner.load_model
         attn = model.layers[0].attn
         shape = (64, 16, cfg.num_kv_heads // tp, cfg.head_dim)  # (num_blocks, block_size, n_kv, hd)
         attn.k_cache, attn.v_cache = torch.zeros(shape), torch.zeros(shape)
@@ -5109,5 +5135,5 @@ def test_fp8_kv_cache_bad_input(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setenv("TRITON_INTERPRET", "1")     # past the check that cuda is there
     with pytest.raises(ValueError, match="kv_cache_dtype fp8 needs compute capability 8.9"):
-        ns.Config(device="cuda", kv_cache_dtype="fp8")
-    ns.Config(device="cuda")                           # the model's dtype: no such need
+        ns.check_fp8_kv_cache(ns.Config(device="cuda", kv_cache_dtype="fp8"))  # Fp8KVCacheRunner's
+    ns.check_fp8_kv_cache(ns.Config(device="cuda"))     # the model's dtype: no such need
