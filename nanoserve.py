@@ -43,27 +43,25 @@ assembled from them at the end of the file, where main, the CLI's entry, is too.
     the burst rule              decodes wait at a burst of prompts         Scheduler
     speculative decoding        drafts by prompt lookup, checked at once   Sequence, Scheduler,
                                                                            ModelRunner, EngineCore,
-                                                                           speed_line (and a seam
-                                                                           in Config)
+                                                                           speed_line
     log-probs and logit edits   log-probs; logit_bias and penalties        FrontEnd, OpenAIServer,
                                                                            Sequence, ModelRunner,
                                                                            EngineCore
     structured output           grammars and tool calls                    FrontEnd, OpenAIServer,
                                                                            Sequence, ModelRunner,
                                                                            EngineCore
-    tensor parallelism          the model cut over GPUs                    ModelRunner (and seams)
-    fp8 weights                 e4m3 weights, a scale per row              (seams)
+    tensor parallelism          the model cut over GPUs                    ModelRunner, Attention
+                                                                           and MLP (forward hooks)
+    fp8 weights                 e4m3 weights, a scale per row              ModelRunner
     fp8 KV cache                an e4m3 KV pool                            ModelRunner
-                                                                           (and a seam in Config)
     the rest of the OpenAI API  field tables, API key, /metrics, errors    OpenAIServer,
                                                                            EngineCoreClient
     the Responses API           /v1/responses                              OpenAIServer
-    faults                      a fault ends only the requests it touches  LLM.run (and seams)
+    faults                      a fault ends only the requests it touches  LLM.run
 
-A chapter marked (seams) still enters part one through lines labelled "# chapter: NAME", which do
-nothing while it is off. The others are subclasses: what they change in part one is a whole
-method they override, and part one's code runs alone as if they were not there. Two wrap a
-part-one function at the end of the file (speed_line, LLM.run), for --part-one's runs too.
+What a chapter changes in part one is a whole method it overrides, or a hook torch calls around
+a module's forward; part one's code runs alone as if the chapters were not there. Two chapters
+wrap a part-one function at the end of the file (speed_line, LLM.run), for --part-one's runs too.
 """
 
 from __future__ import annotations
@@ -839,6 +837,7 @@ class ModelRunner:
         return StepInputs(*inputs, num_tokens, samples, draws)
 
     def _put_input_ids(self, batch: ScheduledBatch, input_ids: list):
+        """The step's token ids into their buffer (put_step copies the other lists)."""
         pa.put(self.buffers["input_ids"], input_ids)
 
     def put_step(self, flat: dict, N: int, S: int, width: int, is_decode: bool) -> tuple:
@@ -1305,17 +1304,16 @@ class LLM:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette, read in the order a request takes. The event loop's
-# thread runs the handlers. One (OpenAIServer.completions or .chat) reads the body's fields
-# (read_fields), makes a SamplingParams per choice (sampling_params), and tokenizes in a worker
-# thread, off the loop. The engine core steps in a thread of its own,
-# reached through the EngineCoreClient. Its generate(choices) sends a request's choices there,
-# and yields a choice's RequestState each time it changes; closing it early aborts what still
-# runs. _respond hands those states to the endpoint's response shape (_Shape). The shape's
-# chunks go out as server-sent events (SSE: a `data: ...` line each, through Starlette's
-# StreamingResponse) or fold into one body (_Shape.body). The calls, in order: completions or
-# chat -> _respond -> shape.chunks(client.generate(choices)) -> shape.stream, or for a body
-# shape.body(shape.chunks(_until_gone(client.generate(choices)))).
+# An OpenAI-compatible HTTP API on Starlette. Its map, in the order a request takes:
+#   OpenAIServer.completions, .chat  the handlers, on the event loop: read_fields, _encode (in a
+#                                    worker thread), sampling_params (a SamplingParams per choice)
+#   OpenAIServer._respond            checks each choice, then answers with a stream or a body
+#   EngineCoreClient.generate        sends the choices to the engine core's own thread (_run),
+#                                    and yields a choice's RequestState each time it changes
+#   _Shape.chunks                    each state's new part (a Delta) as the endpoint's chunks
+#   _Shape.stream or _Shape.body     the chunks as server-sent events (SSE: a `data: ...` line
+#                                    each, through Starlette's StreamingResponse), or folded
+#                                    into one body (_fold)
 # (OpenAI's terms: a choice is one of the n answers a request asks for; a chunk is one piece of
 # a streamed answer; usage counts a request's prompt and completion tokens.)
 # With n = 2, _respond makes two choices (prompt ids, SamplingParams), generate makes a

@@ -171,16 +171,11 @@ def _prologue_ref(x, norm_weight, eps, silu_mul):
     return x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
 
 
-def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, scale=None,
-             x_group=0):
+def gemv_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None):
     """residual + f(x) @ weight.T, f being RMSNorm (with norm_weight) or
-    SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding.
-    scale: weight is e4m3 with these row scales (linear_fp8_ref). x_group: f(x)
-    goes through e4m3 too, each row's runs of x_group columns with a scale of
-    their own (fp8_activations_ref), as the skinny matmul's fp8 dot takes it."""
-    x = _prologue_ref(x, norm_weight, eps, silu_mul)
-    x = fp8_activations_ref(x, x_group) if x_group else x
-    y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)
+    SiLU-and-mul (x = [gate, up]) or nothing, with the kernel's rounding: the
+    residual added in fp32. (An e4m3 weight's: gemv_fp8_ref.)"""
+    y = F.linear(_prologue_ref(x, norm_weight, eps, silu_mul), weight)
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
@@ -1326,7 +1321,7 @@ def _skinny_kernel(
     read, and Triton pipelines the loads (num_stages tiles in flight). An
     e4m3 weight goes into the dot as it is: each step quantizes its slice of
     f(x) to e4m3, a scale per row over those BLOCK_K columns, and scales the
-    step's fp32 product back (gemv_ref's x_group): no weight is widened.
+    step's fp32 product back (gemv_fp8_ref's x_group): no weight is widened.
 
     Prologue: f(x) is computed on each step's slice, once per program (the
     N / BLOCK_N programs of one split repeat it). RMSNorm's 1 / rms is a
@@ -1466,7 +1461,7 @@ def skinny_matmul(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual
     """gemv_ref in one launch, for up to 16 rows (SKINNY_MAX_ROWS) and more, where
     _skinny_config has tiles for the shape and rows. No host sync. scale: the (N,)
     fp32 row scales of an e4m3 weight (quantize_fp8); x then goes into the dot as
-    e4m3 too, in runs of BLOCK_K columns (gemv_ref's x_group)."""
+    e4m3 too, in runs of BLOCK_K columns (gemv_fp8_ref's x_group)."""
     M, N, K = x.shape[0], *weight.shape
     out = _matmul_out(x, weight, norm_weight, silu_mul, residual, out, scale)
     if M == 0:
@@ -1538,6 +1533,15 @@ def quantize_fp8(weight):                             # (N, K) -> (N, K) e4m3
 def linear_fp8_ref(x, weight, scale):                 # (N_tok, K), (N, K) e4m3, (N,) fp32
     """x @ (scale * weight)^T, computed as the kernels do: in fp32, scaled per output."""
     return (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
+
+
+def gemv_fp8_ref(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual=None, x_group=0):
+    """gemv_ref for an e4m3 weight with its row scales (weight.scale, linear_fp8_ref).
+    x_group: f(x) goes through e4m3 too, each row's runs of x_group columns with a
+    scale of their own (fp8_activations_ref), as the skinny matmul's fp8 dot takes it."""
+    x = _prologue_ref(x, norm_weight, eps, silu_mul)
+    y = linear_fp8_ref(fp8_activations_ref(x, x_group) if x_group else x, weight, weight.scale)
+    return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
 def fp8_activations_ref(x, group):                    # (M, K) -> (M, K)

@@ -4747,7 +4747,7 @@ def test_gemv_fp8(device, norm, silu_mul, residual, config, monkeypatch):
     x = rand(M, 2 * K if silu_mul else K)
     norm_w, res = (rand(K) if norm else None), (rand(M, N) if residual else None)
     up = lambda t: None if t is None else t.float()  # noqa: E731
-    ref = pa.gemv_ref(x.float(), q, up(norm_w), 1e-5, silu_mul, up(res), scale=q.scale)
+    ref = pa.gemv_fp8_ref(x.float(), q, up(norm_w), 1e-5, silu_mul, up(res))
     out = pa.gemv(x, q, norm_w, 1e-5, silu_mul, res, scale=q.scale)
     compare(out, ref, dtype, f"gemv fp8 {config} norm={norm} silu={silu_mul}")
     assert (pa._split_k_counts(out.device) == 0).all(), "split-K counts not reset"
@@ -4772,8 +4772,8 @@ def test_skinny_matmul_fp8(device, norm, silu_mul, residual, config, M, monkeypa
     x = rand(M, 2 * K if silu_mul else K)
     norm_w, res = (rand(K) if norm else None), (rand(M, N) if residual else None)
     up = lambda t: None if t is None else t.float()  # noqa: E731
-    ref = pa.gemv_ref(x.float(), q, up(norm_w), 1e-5, silu_mul, up(res), scale=q.scale,
-                      x_group=config[1])
+    ref = pa.gemv_fp8_ref(x.float(), q, up(norm_w), 1e-5, silu_mul, up(res),
+                          x_group=config[1])
     out = pa.skinny_matmul(x, q, norm_w, 1e-5, silu_mul, res, scale=q.scale)
     compare(out, ref, dtype, f"skinny fp8 M={M} {config} norm={norm} silu={silu_mul}")
     assert (pa._split_k_counts(out.device) == 0).all(), "split-K counts not reset"
