@@ -93,7 +93,7 @@ from starlette.routing import Route
 import paged_attention as pa
 
 # Dimension letters used in every shape comment:
-#   B        sequences in a step (or rows of a padded CUDA-graph batch);  T  tokens of one sequence
+#   B        sequences in a step;  T  tokens of one sequence
 #   N_tok    tokens of a step, all sequences flattened (prefill chunks + decodes)
 #   D        hidden size;  I  MLP intermediate size;  V  vocabulary size
 #   n_heads  query heads;  n_kv  key/value heads;  hd  head dim
