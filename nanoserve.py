@@ -4,7 +4,7 @@ This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engine
 cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
-server with SSE streaming. The kernels live in paged_attention.py. Part one took 296 minutes in the
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 252 minutes in the
 last timed read (README.md's reading path), the chapters about 280.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
@@ -28,8 +28,9 @@ LLM.generate, and the FrontEnd tokenizes it. In the engine core it becomes a Seq
 scheduled into a flat batch, runs through Model.forward and is sampled, and the FrontEnd turns
 its token ids into text. Then come the chapters, one per feature. A chapter extends part one's
 classes from below it: a subclass that overrides whole methods, most of them handing on to part
-one's with super(); one that changes a per-row loop replaces the loop. The default engine is
-assembled from them at the end of the file, where main, the CLI's entry, is too.
+one's with super(). Where a chapter changes what a step does for each row (_flatten's loop),
+it writes the whole loop again rather than add a call per row to the hot path. The default
+engine is assembled from them at the end of the file, where main, the CLI's entry, is too.
 
     chapter                     what it adds                               what it extends
     async scheduling            step N+1 launched before N is read back    Sequence, Scheduler,
@@ -146,7 +147,8 @@ class Config:
     port: int = _flag(8000, "port the server listens on")
     api_key: Optional[str] = _flag(None, "require 'Authorization: Bearer KEY' "
                                          "(default: $NANOSERVE_API_KEY)")
-    max_request_bytes: int = _flag(16 * 2**20, "largest request body the server reads (413 beyond)")
+    max_request_bytes: int = _flag(16 * 2**20, "largest request body the server reads (413 "
+                                                "beyond; part one's server has no limit)")
     tool_call_parser: str = _flag("auto", "the format of the model's tool calls: hermes, llama3 "
                                           "or mistral (auto: read from its chat template)")
     # -- architecture, read from config.json (never flags) --
@@ -240,8 +242,10 @@ class Config:
         for name in ("kv_cache_dtype", "quantization", "num_speculative_tokens",
                      "tensor_parallel_size", "api_key", "max_request_bytes", "tool_call_parser"):
             if self.part_one and getattr(self, name) != self.__dataclass_fields__[name].default:
+                env = name == "api_key" and self.api_key == os.environ.get("NANOSERVE_API_KEY")
                 raise ValueError(f"part one's engine (--part-one) has no {name}: leave it at "
-                                 f"its default, or leave out --part-one")
+                                 f"its default{' (unset $NANOSERVE_API_KEY)' if env else ''}, "
+                                 f"or leave out --part-one")
 
     torch_dtype = property(lambda self: getattr(torch, self.dtype))
 
@@ -307,12 +311,17 @@ def load_weights(model: nn.Module, cfg: Config, tensors):
 # RMSNorm, rotary embeddings (with Llama-3 frequency scaling), GQA attention over the paged cache,
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
-# paged_attention.py's first section (pa.norm by rms_norm_ref, pa.linear by gemv_ref). Read
-# pa.linear(x, w, norm=, silu_mul=, residual=) as residual + F.linear(f(x), w), f the norm or
-# SiLU-and-mul: that is what it computes, whichever kernel runs (on the CPU, those very torch
-# ops). It takes the norm and the residual so that on the GPU a step of up to 16 rows does all of
-# it in the one kernel that reads the weight. So Attention and MLP take their block's norm and
-# residual. pa.ATTENTION, at that file's end, names each attention's two functions.
+# paged_attention.py's first section. Five matter here: rms_norm_ref (pa.norm), gemv_ref
+# (pa.linear), rope_store_kvcache_ref (rotate q and k, write K/V into the pool), and
+# paged_attention_decode_ref and _prefill_ref (attention over the pool, by _attend_ref). Read
+# pa.linear(x, w, norm=, silu_mul=, residual=, bias=) as residual + F.linear(f(x), w) + bias, f
+# the norm or SiLU-and-mul: that is what it computes, whichever kernel runs (on the CPU, those
+# very torch ops). It takes the norm and the residual so that on the GPU a step of up to 16 rows
+# can do all of it in the one kernel that reads the weight (where that kernel has tiles for the
+# shape; else cuBLAS, with kernels of their own before and after). So Attention and MLP take
+# their block's norm and residual. pa.ATTENTION, at that file's end, gives each attention's two
+# functions: its rope_store, and an attend that runs the decode function when meta.is_decode,
+# else the prefill one (_attend_with).
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -471,7 +480,7 @@ def build_model(cfg: Config, tensors=None) -> Model:
 # ---------------------------------------------------------------------------
 # Sampler
 # One pass over the whole batch's logits: greedy, or temperature, top-k and top-p sampling (each
-# step's contract is a torch function in paged_attention.py's first section). Each row carries
+# of pa's steps has a torch contract in paged_attention.py's first section). Each row carries
 # its own settings, so one request's choices never change another's. A seeded row draws its noise
 # from its own generator, seeded anew for each token by the request's seed and the token's
 # position (ModelRunner.sampling_batch hashes the two). So a draw depends on nothing else: not
@@ -506,9 +515,10 @@ class SamplingParams:
 @dataclass
 class SamplingBatch:
     """A step's per-row settings as device tensors; host flags let the sampler skip unasked work."""
-    temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows; None if all are, and
-    top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off;   then None too
-    top_ps: Optional[torch.Tensor]    # (B,) float;                        then None too
+    # In an all-greedy batch (all_greedy) the three tensors are None: a greedy row needs none.
+    temperatures: Optional[torch.Tensor]  # (B,) float, 0 for greedy rows
+    top_ks: Optional[torch.Tensor]    # (B,) int, V where top-k is off
+    top_ps: Optional[torch.Tensor]    # (B,) float
     generators: list                  # (row, torch.Generator, hash(seed, position)), seeded rows
     all_greedy: bool
     needs_top_k_top_p: bool
@@ -571,6 +581,8 @@ class BlockAllocator:
 # takes what is left of the budget as a chunk, and the budget is then spent: so a step holds at
 # most one unfinished prefill chunk, its last sequence.
 # When the pool runs dry, the latest admitted sequence is preempted: freed, and recomputed later.
+# That may be the sequence asking, a running prefill among them: its computed chunks are dropped
+# with its blocks, where a waiting prompt that does not fit is only left waiting (_admit).
 # A run by example (test_scheduler_runs_as_its_example): block_size 4, a pool of 5 blocks, a
 # budget of 8 tokens. A (a 10-token prompt) asks for 6 tokens, B (5 tokens) for 4.
 #   step 0     A's first chunk, 8 tokens in 2 blocks: the budget is spent, and B waits
@@ -592,7 +604,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
         self.num_prompt_tokens = len(prompt_token_ids)     # fixed: output starts after these
         self.num_computed_tokens = 0     # tokens launched: their K/V in the cache, or on the way
-        self.num_cached_tokens = 0       # prompt tokens whose K/V were found, not computed
+        self.num_cached_tokens = 0       # prompt tokens whose K/V were found, not computed (0 here)
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.status, self.finish_reason = "waiting", None   # "running" (back to "waiting" if
                                                             # preempted), then "finished"
@@ -703,9 +715,10 @@ class Scheduler:
 # put_step them into the buffers) -> forward -> head (the LM head's logits); then sample -> draw
 # -> copy_to_host, which EngineCore._read_back waits for. Before any step, __init__ sizes the KV
 # pool (allocate_kv_cache: on the GPU, what profile_peak_bytes leaves).
-# Three CUDA words. Pinned memory is host memory the GPU can copy from directly. A non_blocking
-# copy from it is queued on the stream, and the host goes on at once. A CUDA event, recorded on
-# the stream, marks a point in its queue; event.synchronize() waits for that point.
+# Three CUDA words. Pinned memory is host memory the GPU can copy to and from directly. A
+# non_blocking copy between it and the GPU is queued on the stream, and the host goes on at
+# once. A CUDA event, recorded on the stream, marks a point in its queue; event.synchronize()
+# waits for that point.
 
 @dataclass
 class StepInputs:
@@ -727,14 +740,14 @@ class LaunchedStep:
     logits: Optional[torch.Tensor]    # (B, V) of those rows
     positions: list = field(default_factory=list)   # of the tokens they draw (StepInputs)
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
-    host: list = field(default_factory=list)  # host copies of what is read back: tokens first
+    host: list = field(default_factory=list)  # host copies read back (part one: the tokens)
     copied: Optional[torch.cuda.Event] = None   # done once `host` is filled (None on CPU)
 
 class ModelRunner:
     def __init__(self, cfg: Config):
         self.cfg, self.device = cfg, torch.device(cfg.device)
         self.use_cuda = self.device.type == "cuda"
-        if self.device.type == "cpu":        # here, where the step loop runs, not in the server
+        if self.device.type == "cpu":        # torch's threads, for every thread of this process
             pa.set_cpu_threads(cfg.num_threads)
         self.model = self.load_model()
         self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
@@ -957,11 +970,11 @@ class EngineCoreOutput:
     request_id: str
     token_id: Optional[int]           # the sampled token; None if the request failed, or if
                                       # max_tokens is 0 (the prompt was only scored)
-    logprobs: Optional[tuple] = None  # (logprob, {token_id: logprob}) if asked
+    logprobs: Optional[tuple] = None  # (logprob, {token_id: logprob}) if asked; part one: None
     finish_reason: Optional[str] = None   # "stop", "length" or "error"
     error: str = ""                   # what failed, with finish_reason "error"
-    num_cached_tokens: int = 0        # prompt tokens served by the prefix cache
-    prompt_logprobs: Optional[list] = None  # with the first token, if asked
+    num_cached_tokens: int = 0        # prompt tokens whose K/V were already in the pool (0 here)
+    prompt_logprobs: Optional[list] = None  # with the first token, if asked; part one: None
 
 class EngineCore:
     # The classes it is built from. Part one's here; the default engine at the end of the file
@@ -997,8 +1010,7 @@ class EngineCore:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def stats(self) -> dict:
-        """The engine's gauges, and its counters (the _total ones), by the names /metrics gives
-        them (less the nanoserve_ prefix). LLM.stats() and the server read these."""
+        """The engine's gauges, and its counters (the _total ones), for LLM.stats()."""
         a, s = self.allocator, self.scheduler
         return dict(requests_running=len(s.running), requests_waiting=len(s.waiting),
                     kv_blocks_used=a.num_blocks - a.num_free_blocks, kv_blocks_total=a.num_blocks,
@@ -1009,7 +1021,7 @@ class EngineCore:
         """One step, whole: schedule and launch it, sample it on the device, then read its tokens
         back (_commit). Returns an EngineCoreOutput per token read back (its token_id None where
         max_tokens 0 only scores the prompt)."""
-        self.committed = []            # _commit adds each output as it makes it (fail_running)
+        self.committed = []     # _commit adds each output as it makes it (EngineCoreClient._step)
         launched = self._launch()
         if launched is not None:
             self.runner.sample(launched)
@@ -1046,7 +1058,7 @@ class EngineCore:
         the token finishes it."""
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
-        keep = seq.params.max_tokens > 0     # 0: the prompt is only scored (prompt log-probs)
+        keep = seq.params.max_tokens > 0     # 0: only scored (prompt log-probs; not in part one)
         out = EngineCoreOutput(seq.request_id, token if keep else None,
                                num_cached_tokens=seq.num_cached_tokens)
         out.finish_reason = self._finish_reason(seq, token)
@@ -1111,9 +1123,9 @@ class Delta:
     index: int                        # which of a server request's choices
     text: str                         # new text that is safe to send (may be "")
     token_ids: list                   # the new tokens
-    logprobs: list                    # their (logprob, {token_id: logprob}), if asked
+    logprobs: list                    # their (logprob, {token_id: logprob}), if asked ([] here)
     finish_reason: Optional[str]      # "stop", "length" or "error" on the last one
-    prompt_logprobs: Optional[list]   # on the first one, if asked
+    prompt_logprobs: Optional[list]   # on the first one, if asked (None here)
 
 class RequestState:
     """One request as the front end sees it; LLM.generate returns these (vLLM's RequestOutput)."""
@@ -1130,7 +1142,8 @@ class RequestState:
         self.queue = queue                # the server's: _deliver puts each change
 
     def take_delta(self, hold: int = 0) -> Delta:
-        """All new since the last call, less the last `hold` characters of the text."""
+        """All new since the last call, less the last `hold` characters of the text (part one's
+        callers hold none)."""
         end = max(self.num_sent_chars, len(self.text) - hold)
         n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
         delta = Delta(self.index, self.text[self.num_sent_chars:end], self.token_ids[n:],
@@ -1142,7 +1155,7 @@ class RequestState:
 def check_sampling_params(p: SamplingParams):
     """SamplingParams' own checks: a ValueError, naming the field first. One also normalizes: a
     tiny temperature becomes 0."""
-    least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt only
+    least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt (not part one's)
     if not isinstance(p.max_tokens, int) or p.max_tokens < least:
         raise ValueError(f"max_tokens must be an integer >= {least}, got {p.max_tokens!r}")
     if not 0 <= p.temperature < math.inf:
@@ -1314,6 +1327,7 @@ class LLM:
 #   _Shape.stream or _Shape.body     the chunks as server-sent events (SSE: a `data: ...` line
 #                                    each, through Starlette's StreamingResponse), or folded
 #                                    into one body (_fold)
+# The code comes bottom-up: the client, the response shapes, then the server that uses both.
 # (OpenAI's terms: a choice is one of the n answers a request asks for; a chunk is one piece of
 # a streamed answer; usage counts a request's prompt and completion tokens.)
 # With n = 2, _respond makes two choices (prompt ids, SamplingParams), generate makes a
@@ -1329,11 +1343,13 @@ class LLM:
 #   4. _deliver (event loop): FrontEnd.process, then each changed state onto its queue
 #   5. generate yields the state, shape.chunks turns its Delta into chunks, and shape.stream
 #      writes each as an SSE event; steps 3-5 repeat until every choice has finished
-# A client that leaves mid-stream: the StreamingResponse's listener, a task beside the writing
-# (so Starlette runs it under uvicorn's ASGI spec 2.3), cancels the writing. The CancelledError
-# is raised where generate waits on its queue, and rises out through shape.chunks and
-# shape.stream. generate's `finally` queues the aborts (_abort), _run applies them before its
-# next step (abort_request), and Scheduler.finish frees the blocks. No one cancels a body's
+# A client that leaves mid-stream: under uvicorn (ASGI spec 2.3), Starlette's StreamingResponse
+# runs a listener task beside the writing, and the listener cancels the writing when the client's
+# disconnect message comes. The CancelledError is raised where the writing waits: most often
+# where generate waits on its queue, and it rises out through shape.chunks and shape.stream. (At
+# a send to a slow client instead, the generators close a moment later, as asyncio finalizes
+# them.) generate's `finally` queues the aborts (_abort), _run applies them before its next step
+# (abort_request), and Scheduler.finish frees the blocks. No one cancels a body's
 # handler, so it asks at each state whether its client is gone (_until_gone). What a client sees
 # of a chat request with "stream": true, an SSE event a line (id, created, model and "logprobs":
 # null left out):
@@ -1473,6 +1489,138 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+# -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
+_to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
+
+# Server-sent events: a stream of `data: ...` lines, each event ended by a blank line. Starlette's
+# StreamingResponse sends each as it comes, and when the client leaves it cancels the stream:
+# the cancellation runs the `finally` of every generator on the way (client.generate's aborts).
+_SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+                "x-accel-buffering": "no"}             # nginx: unbuffered
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+class _Shape:
+    """A response of any endpoint: its id, envelopes and chunks. f: the request's fields."""
+    id_prefix, object, chunk_object = "", "", ""
+
+    def __init__(self, server, f: dict, num_prompt_tokens: int):
+        self.server, self.f = server, f
+        self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
+        self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
+
+    def opening(self, i: int) -> list:
+        """The chunks a stream opens choice i with."""
+        return []
+
+    def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
+        body = {"id": self.id, "object": object, "created": self.created,
+                "model": self.server.model_name, "choices": choices}
+        n, m = self.num_prompt_tokens, self.num_completion_tokens
+        return {**body, "usage": {"prompt_tokens": n, "completion_tokens": m,
+                                  "total_tokens": n + m}} if usage else body
+
+    async def chunks(self, states, n: int):
+        """The choices to send: the openings, then those of each Delta (delta_chunks)."""
+        async with contextlib.aclosing(states):
+            for choice in [c for i in range(n) for c in self.opening(i)]:
+                yield choice
+            async for state in states:
+                d = state.take_delta()
+                if d.finish_reason == "error":
+                    raise APIError(500, state.error, "internal_error")
+                self.num_completion_tokens += len(d.token_ids)
+                for choice in self.delta_chunks(state, d):
+                    yield choice
+
+    def delta_chunks(self, state: RequestState, d: Delta) -> list:
+        """One Delta's chunks: its new text, if any (the finish_reason is the last chunk's to
+        say), then at the end the last chunk."""
+        news = [self.choice(d) | {"finish_reason": None}] if d.text else []
+        return news + ([self.last(state, d)] if d.finish_reason is not None else [])
+
+    def last(self, state: RequestState, d: Delta) -> dict:
+        """The chunk that carries the finish_reason."""
+        return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
+
+    async def stream(self, chunks, include_usage: bool):
+        """OpenAI's stream, as server-sent events (_sse): each chunk's JSON, then `[DONE]`. An
+        error after the first byte is an event too: the status line is gone."""
+        head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
+        async with contextlib.aclosing(chunks):
+            try:
+                async for choice in chunks:
+                    yield _sse(f"{head}{_to_json(choice)}]}}")
+                if include_usage:
+                    yield _sse(_to_json(self.envelope(self.chunk_object, [], usage=True)))
+            except Exception as e:            # an APIError as it is; a bug logged, in one line
+                if not isinstance(e, APIError):
+                    traceback.print_exc()
+                    e = APIError(500, f"internal error: {e!r}", "internal_error")
+                yield _sse(_to_json(e.body))
+        yield _sse("[DONE]")
+
+    async def body(self, chunks) -> dict:
+        """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
+        the whole "message"."""
+        choices = {}                                       # index -> the whole choice so far
+        async with contextlib.aclosing(chunks):
+            async for choice in chunks:
+                self.fold(choices.setdefault(choice["index"], {}), choice)
+        for c in choices.values():
+            if "delta" in c:
+                c["message"] = c.pop("delta")
+        return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
+
+    def fold(self, whole: dict, chunk: dict):
+        """Join a chunk into the whole of its choice (_fold)."""
+        _fold(whole, chunk)
+
+class _CompletionShape(_Shape):
+    """The legacy completions shape: a choice's text."""
+    id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+
+    def choice(self, d: Delta) -> dict:
+        return {"index": d.index, "text": d.text, "logprobs": None,
+                "finish_reason": d.finish_reason}
+
+class _ChatShape(_Shape):
+    """The chat shape: a stream sends a choice's role, then its deltas, then its finish_reason."""
+    id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def opening(self, i: int) -> list:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None}]
+
+    def choice(self, d: Delta) -> dict:
+        return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
+                "logprobs": None, "finish_reason": d.finish_reason}
+
+def _fold(whole: dict, chunk: dict):
+    """Fold a chunk into the whole, key by key. Strings and lists concatenate, and objects fold
+    alike. Other values replace the old, but null never."""
+    for key, value in chunk.items():
+        old = whole.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            _fold(old, value)
+        elif isinstance(value, (str, list)) and old is not None:
+            whole[key] = old + value
+        elif value is not None or key not in whole:
+            whole[key] = value
+
+# -- the server: its routes, and a request's way through them --
+async def _until_gone(states, request: Request):
+    """A body's states, until its client hangs up. Uvicorn does not cancel a handler whose client
+    left (as a StreamingResponse cancels its stream), so each state asks first. Closing this
+    closes `states`, whose `finally` aborts what still runs (EngineCoreClient.generate)."""
+    async with contextlib.aclosing(states):
+        async for state in states:
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection")
+            yield state
 
 class OpenAIServer:
     """The routes over one EngineCoreClient; its handlers run on the server's event loop."""
@@ -1620,138 +1768,6 @@ class OpenAIServer:
             return self.stream_response(shape.stream(chunks, include_usage))
         return JSONResponse(await shape.body(shape.chunks(_until_gone(states, request),
                                                           len(choices))))
-
-async def _until_gone(states, request: Request):
-    """A body's states, until its client hangs up. Uvicorn does not cancel a handler whose client
-    left (as a StreamingResponse cancels its stream), so each state asks first. Closing this
-    closes `states`, whose `finally` aborts what still runs (EngineCoreClient.generate)."""
-    async with contextlib.aclosing(states):
-        async for state in states:
-            if await request.is_disconnected():
-                raise APIError(499, "the client closed the connection")
-            yield state
-
-# -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
-_to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
-
-# Server-sent events: a stream of `data: ...` lines, each event ended by a blank line. Starlette's
-# StreamingResponse sends each as it comes, and when the client leaves it cancels the stream:
-# the cancellation runs the `finally` of every generator on the way (client.generate's aborts).
-_SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-                "x-accel-buffering": "no"}             # nginx: unbuffered
-
-def _sse(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
-class _Shape:
-    """A response of any endpoint: its id, envelopes and chunks. f: the request's fields."""
-    id_prefix, object, chunk_object = "", "", ""
-
-    def __init__(self, server, f: dict, num_prompt_tokens: int):
-        self.server, self.f = server, f
-        self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
-        self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
-
-    def opening(self, i: int) -> list:
-        """The chunks a stream opens choice i with."""
-        return []
-
-    def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
-        body = {"id": self.id, "object": object, "created": self.created,
-                "model": self.server.model_name, "choices": choices}
-        n, m = self.num_prompt_tokens, self.num_completion_tokens
-        return {**body, "usage": {"prompt_tokens": n, "completion_tokens": m,
-                                  "total_tokens": n + m}} if usage else body
-
-    async def chunks(self, states, n: int):
-        """The choices to send: the openings, then those of each Delta (delta_chunks)."""
-        async with contextlib.aclosing(states):
-            for choice in [c for i in range(n) for c in self.opening(i)]:
-                yield choice
-            async for state in states:
-                d = state.take_delta()
-                if d.finish_reason == "error":
-                    raise APIError(500, state.error, "internal_error")
-                self.num_completion_tokens += len(d.token_ids)
-                for choice in self.delta_chunks(state, d):
-                    yield choice
-
-    def delta_chunks(self, state: RequestState, d: Delta) -> list:
-        """One Delta's chunks: its new text, if any (the finish_reason is the last chunk's to
-        say), then at the end the last chunk."""
-        news = [self.choice(d) | {"finish_reason": None}] if d.text else []
-        return news + ([self.last(state, d)] if d.finish_reason is not None else [])
-
-    def last(self, state: RequestState, d: Delta) -> dict:
-        """The chunk that carries the finish_reason."""
-        return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
-
-    async def stream(self, chunks, include_usage: bool):
-        """OpenAI's stream, as server-sent events (_sse): each chunk's JSON, then `[DONE]`. An
-        error after the first byte is an event too: the status line is gone."""
-        head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
-        async with contextlib.aclosing(chunks):
-            try:
-                async for choice in chunks:
-                    yield _sse(f"{head}{_to_json(choice)}]}}")
-                if include_usage:
-                    yield _sse(_to_json(self.envelope(self.chunk_object, [], usage=True)))
-            except Exception as e:            # an APIError as it is; a bug logged, in one line
-                if not isinstance(e, APIError):
-                    traceback.print_exc()
-                    e = APIError(500, f"internal error: {e!r}", "internal_error")
-                yield _sse(_to_json(e.body))
-        yield _sse("[DONE]")
-
-    async def body(self, chunks) -> dict:
-        """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
-        the whole "message"."""
-        choices = {}                                       # index -> the whole choice so far
-        async with contextlib.aclosing(chunks):
-            async for choice in chunks:
-                self.fold(choices.setdefault(choice["index"], {}), choice)
-        for c in choices.values():
-            if "delta" in c:
-                c["message"] = c.pop("delta")
-        return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
-
-    def fold(self, whole: dict, chunk: dict):
-        """Join a chunk into the whole of its choice (_fold)."""
-        _fold(whole, chunk)
-
-class _CompletionShape(_Shape):
-    """The legacy completions shape: a choice's text."""
-    id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
-
-    def choice(self, d: Delta) -> dict:
-        return {"index": d.index, "text": d.text, "logprobs": None,
-                "finish_reason": d.finish_reason}
-
-class _ChatShape(_Shape):
-    """The chat shape: a stream sends a choice's role, then its deltas, then its finish_reason."""
-    id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
-    opening_content: Optional[str] = ""       # the content of the role's chunk
-
-    def opening(self, i: int) -> list:
-        return [{"index": i, "delta": {"role": "assistant", "content": self.opening_content},
-                 "logprobs": None, "finish_reason": None}]
-
-    def choice(self, d: Delta) -> dict:
-        return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
-                "logprobs": None, "finish_reason": d.finish_reason}
-
-def _fold(whole: dict, chunk: dict):
-    """Fold a chunk into the whole, key by key. Strings and lists concatenate, and objects fold
-    alike. Other values replace the old, but null never."""
-    for key, value in chunk.items():
-        old = whole.get(key)
-        if isinstance(value, dict) and isinstance(old, dict):
-            _fold(old, value)
-        elif isinstance(value, (str, list)) and old is not None:
-            whole[key] = old + value
-        elif value is not None or key not in whole:
-            whole[key] = value
 
 # -- the app --
 def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
@@ -3271,7 +3287,6 @@ class _ToolCallShape(LogprobsChatShape):
     deltas (index, id, type, name, arguments), and the last chunk's finish_reason is "tool_calls"
     if the model called. A forced call that a stop string may cut is held to its end (hold): it
     comes whole, or if cut, as text with "stop"."""
-    opening_content = None                    # null until text
     family = "hermes"         # how the model writes calls (FrontEnd.tool_call_format): tool_call_id
     hold = False
 
@@ -3279,6 +3294,10 @@ class _ToolCallShape(LogprobsChatShape):
         super().__init__(server, f, num_prompt_tokens)
         self.call_format = call_format    # a TOOL_CALL_FORMATS entry
         self.sent = {}        # choice -> [its text, content chars sent, [argument chars sent]]
+
+    def opening(self, i: int) -> list:
+        """The role's chunk, its content null until there is text."""
+        return [{**c, "delta": {**c["delta"], "content": None}} for c in super().opening(i)]
 
     async def chunks(self, states, n: int):
         """A held call's chunks come from its last state alone: all of its text, at the end."""
