@@ -738,7 +738,7 @@ class LaunchedStep:
     batch: ScheduledBatch
     seqs: list                        # the sequences that sample, in row order
     logits: Optional[torch.Tensor]    # (B, V) of those rows
-    positions: list = field(default_factory=list)   # of the tokens they draw (StepInputs)
+    sample_positions: list = field(default_factory=list)   # of the tokens they draw
     tokens: Optional[torch.Tensor] = None     # (B,) int64 on the device, once sampled
     host: list = field(default_factory=list)  # host copies read back (part one: the tokens)
     copied: Optional[torch.cuda.Event] = None   # done once `host` is filled (None on CPU)
@@ -932,7 +932,7 @@ class ModelRunner:
 
     def draw(self, logits, step: LaunchedStep) -> torch.Tensor:   # (B, V) -> (B,)
         """The step's rows' tokens, each drawn from its logits by its own settings."""
-        return sample(logits, self.sampling_batch(step.seqs, step.positions))
+        return sample(logits, self.sampling_batch(step.seqs, step.sample_positions))
 
     def copy_to_host(self, step: LaunchedStep, *tensors):
         """Start copying tensors into step.host, which _read_back waits for (step.copied)."""
@@ -2721,8 +2721,8 @@ class Speculation:
             num_rejected = len(drafts) - num_kept
             seq.num_computed_tokens -= num_rejected
             if after is not None and after is not step:   # its seeds follow the device's move
-                after.positions = [p - num_rejected * (s is seq)
-                                   for s, p in zip(after.seqs, after.positions)]
+                after.sample_positions = [p - num_rejected * (s is seq)
+                                          for s, p in zip(after.seqs, after.sample_positions)]
             num_blocks = -(-seq.num_computed_tokens // self.cfg.block_size)   # ceil
             for block in reversed(seq.block_table[num_blocks:]):
                 self.scheduler.allocator.free(block)
