@@ -506,6 +506,7 @@ def test_part_one_server_whose_engine_thread_fails(monkeypatch):
                                   json={"prompt": "Hi", "max_tokens": 4})
         r = post()
         assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"], r.text
+        client.thread.join(10)                 # it ends once it has scheduled fail_all
         assert not client.thread.is_alive() and not client.front.states
         health = httpx.get(srv.url + "/health", timeout=10)
         assert health.status_code == 503 and "the engine core stopped" in health.text
