@@ -4,7 +4,7 @@ This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engine
 cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
-server with SSE streaming. The kernels live in paged_attention.py. Part one took 252 minutes in the
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 259 minutes in the
 last timed read (README.md's reading path), the chapters about 280.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
@@ -61,8 +61,9 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
     faults                      a fault ends only the requests it touches  LLM.run
 
 What a chapter changes in part one is a whole method it overrides, or a hook torch calls around
-a module's forward; part one's code runs alone as if the chapters were not there. Two chapters
-wrap a part-one function at the end of the file (speed_line, LLM.run), for --part-one's runs too.
+a module's forward; under --part-one, part one's classes run as if the chapters were not there.
+The one exception: two chapters wrap a part-one function at the end of the file (speed_line,
+LLM.run), for --part-one's runs too.
 """
 
 from __future__ import annotations
@@ -238,7 +239,9 @@ class Config:
             raise ValueError("the triton attention needs cuda (or TRITON_INTERPRET=1)")
         # Part one's engine acts on none of these: run with it, they are refused, not ignored (a
         # pool and weights in the model's dtype, no drafts, one GPU, no API key or body limit, no
-        # tool calls, where the user asked else).
+        # tool calls, where the user asked else). Three more are on by default and off in part one
+        # (enable_prefix_caching, async_scheduling, CUDA graphs): it runs without them, as the
+        # plain engine it is.
         for name in ("kv_cache_dtype", "quantization", "num_speculative_tokens",
                      "tensor_parallel_size", "api_key", "max_request_bytes", "tool_call_parser"):
             if self.part_one and getattr(self, name) != self.__dataclass_fields__[name].default:
@@ -318,7 +321,8 @@ def load_weights(model: nn.Module, cfg: Config, tensors):
 # the norm or SiLU-and-mul: that is what it computes, whichever kernel runs (on the CPU, those
 # very torch ops). It takes the norm and the residual so that on the GPU a step of up to 16 rows
 # can do all of it in the one kernel that reads the weight (where that kernel has tiles for the
-# shape; else cuBLAS, with kernels of their own before and after). So Attention and MLP take
+# shape; else at one row the GEMV does, and past it cuBLAS, with kernels of their own before
+# and after). So Attention and MLP take
 # their block's norm and residual. pa.ATTENTION, at that file's end, gives each attention's two
 # functions: its rope_store, and an attend that runs the decode function when meta.is_decode,
 # else the prefill one (_attend_with).
@@ -864,7 +868,8 @@ class ModelRunner:
 
     def _flatten(self, batch: ScheduledBatch):
         """Each sequence's new tokens in turn, as host lists, one per buffer (block_tables as a
-        numpy array). Also the rows that sample: a sequence's last, once no prompt is left."""
+        numpy array). Also the rows that sample: a sequence's last, once all its tokens are
+        computed (its prompt, and after a preemption its output so far)."""
         bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
                                              context_lens=[], cu_seqlens_q=[0])
         input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = flat.values()
@@ -1318,8 +1323,8 @@ class LLM:
 # ---------------------------------------------------------------------------
 # Server
 # An OpenAI-compatible HTTP API on Starlette. Its map, in the order a request takes:
-#   OpenAIServer.completions, .chat  the handlers, on the event loop: read_fields, _encode (in a
-#                                    worker thread), sampling_params (a SamplingParams per choice)
+#   OpenAIServer.completions, .chat  the handlers, on the event loop: read_fields, _encode (text
+#                                    in a worker thread), sampling_params (one per choice)
 #   OpenAIServer._respond            checks each choice, then answers with a stream or a body
 #   EngineCoreClient.generate        sends the choices to the engine core's own thread (_run),
 #                                    and yields a choice's RequestState each time it changes
@@ -1333,8 +1338,9 @@ class LLM:
 # With n = 2, _respond makes two choices (prompt ids, SamplingParams), generate makes a
 # RequestState of each on one queue, and body folds each choice's chunks by its index (_fold).
 # A streamed request, in order, each line with who runs it:
-#   1. the handler (event loop): read_fields, _encode (in a worker thread), sampling_params; then
-#      _respond checks each choice and returns a StreamingResponse over shape.stream
+#   1. the handler (event loop): read_fields, _encode (text in a worker thread),
+#      sampling_params; then _respond checks each choice and returns a StreamingResponse over
+#      shape.stream
 #   2. the StreamingResponse (event loop) pulls the first events (a chat stream's role chunk comes
 #      first): client.generate tracks the choices in the front end (FrontEnd.add) and puts them
 #      in `outgoing`
@@ -1400,8 +1406,9 @@ class EngineCoreClient:
     def _run(self, loop: asyncio.AbstractEventLoop):
         """The engine core's thread: take what the server sent (block only when idle), step,
         and hand the step's outputs to the event loop, until `None` comes (shutdown). A step's
-        fault ends its requests (_step). Any other ends the thread, and with it the engine:
-        `error` says why, and every request in flight ends with it (fail_all)."""
+        fault ends every request the engine holds (_step). Any other fault ends the thread, and
+        with it the engine: `error` says why, and every request in flight ends with it
+        (fail_all)."""
         try:
             while True:
                 items = [] if self.engine.has_unfinished() else [self.outgoing.get()]
@@ -1440,7 +1447,8 @@ class EngineCoreClient:
     async def generate(self, requests: list):
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
         RequestState at each change until all finish. However the caller stops (done, client
-        gone, error), `finally` aborts what still runs: its KV blocks free at the next step."""
+        gone, error), `finally` aborts what still runs: its KV blocks free at the next step. An
+        async generator, it runs nothing until its caller pulls the first state."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i, queue=changed)
                     for i, (ids, p) in enumerate(requests)]
@@ -1780,7 +1788,10 @@ def serve(cfg: Config, client_class=EngineCoreClient):
     engine's (main, at the end of the file, says which)."""
     sock = socket.create_server((cfg.host, cfg.port))   # first: a port in use fails at once
     client = client_class(cfg)
-    try:   # SIGTERM drains (README), then uvicorn re-raises it, and shutdown stops the engine core
+    # SIGTERM drains (README), then uvicorn re-raises it: its default action ends this process at
+    # once, engine core and all, and `finally` never runs. Ctrl-C comes back as KeyboardInterrupt,
+    # and shutdown stops the engine core.
+    try:
         print(f"serving {Path(cfg.model).name} at http://{cfg.host}:{cfg.port}/v1"
               + (" (API key required)" if cfg.api_key else ""), flush=True)
         server = uvicorn.Server(uvicorn.Config(build_app(client, cfg), log_level="warning"))
