@@ -316,16 +316,12 @@ def load_weights(model: nn.Module, cfg: Config, tensors):
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
 # paged_attention.py's first section. Five matter here: rms_norm_ref (pa.norm), gemv_ref
 # (pa.linear), rope_store_kvcache_ref (rotate q and k, write K/V into the pool), and
-# paged_attention_decode_ref and _prefill_ref (attention over the pool, by _attend_ref). Read
-# pa.linear(x, w, norm=, silu_mul=, residual=, bias=) as residual + F.linear(f(x), w) + bias, f
-# the norm or SiLU-and-mul: that is what it computes, whichever kernel runs (on the CPU, those
-# very torch ops). It takes the norm and the residual so that on the GPU a step of up to 16 rows
-# can do all of it in the one kernel that reads the weight (where that kernel has tiles for the
-# shape; else at one row the GEMV does, and past it cuBLAS, with kernels of their own before
-# and after). So Attention and MLP take
-# their block's norm and residual. pa.ATTENTION, at that file's end, gives each attention's two
-# functions: its rope_store, and an attend that runs the decode function when meta.is_decode,
-# else the prefill one (_attend_with).
+# paged_attention_decode_ref and _prefill_ref (attention over the pool, by _attend_ref).
+# pa.linear(x, w, norm=, silu_mul=, residual=, bias=) computes residual + F.linear(f(x), w) +
+# bias, f the norm or SiLU-and-mul, whichever kernel runs. It takes the norm and the residual so
+# that a kernel that reads the weight can do all of it in one pass, so Attention and MLP take
+# their block's norm and residual. pa.ATTENTION, at that file's end, gives each attention's
+# rope_store, and an attend that runs the decode function when meta.is_decode, else the prefill.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

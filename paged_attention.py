@@ -187,40 +187,15 @@ def norm(x, weight, eps):                                   # (N_tok, D)
 def linear(x, weight, norm=None, silu_mul=False, residual=None,
            bias=None):                                    # (N_tok, K) -> (N_tok, N)
     """The contract: residual + f(x) @ weight.T + bias, rounded as gemv_ref rounds. f is the
-    RMSNorm module `norm`, SiLU-and-mul (x = [gate, up]) or nothing. residual (N_tok, N) and bias
-    (N,) are optional. x, residual and the output are in the model's dtype. Every matmul of a
-    layer calls this.
-
-    Which kernel runs, for the reader who wants it:
-    - up to SKINNY_MAX_ROWS rows on the GPU, where _skinny_config has tiles for the shape: the
-      skinny matmul, one read of the weight for every row;
-    - one row (GEMV_MAX_ROWS) otherwise: the GEMV;
-    - more rows: cuBLAS, after the elementwise kernels for f.
-    The first two apply f to x as it streams in and add the residual on the way out: a norm,
-    activation or add of its own would cost a launch and a wait (~1.5 us) for almost no bytes.
-    So a decoder layer takes 6 launches where unfused it takes 11. A bias is a residual that
-    every row shares, and takes the residual's path.
-    An fp8 weight carries its scales (quantize_fp8). The GEMV and the skinny matmul read it as
-    it is, a larger bf16 batch on the GPU takes linear_fp8, and anything else widens it
-    (linear_fp8_ref: correct, and slower). (`norm` here is the RMSNorm module passed in, whose
-    forward calls the `norm` function above.)"""
+    RMSNorm module `norm` (whose forward is the `norm` function above), SiLU-and-mul
+    (x = [gate, up]) or nothing. residual (N_tok, N) and bias (N,) are optional. x, residual and
+    the output are in the model's dtype. Every matmul of a layer calls this. Which kernel
+    computes it is the second reading's (linear_impl, after the skinny matmul). A bias is a
+    residual that every row shares, and takes the residual's path."""
     if bias is not None:
         residual = bias.expand(x.shape[0], -1) if residual is None else residual + bias
     norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-    scale = weight.scale if weight.dtype == FP8 else None     # fp8 weights: (N,) fp32
-    M = x.shape[0]
-    if x.is_cuda and M <= SKINNY_MAX_ROWS and _skinny_config(*weight.shape, scale is not None, M):
-        return skinny_matmul(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
-    if x.is_cuda and M <= GEMV_MAX_ROWS:
-        return gemv(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
-    if scale is not None and x.is_cuda and x.dtype == torch.bfloat16:   # fp8 tensor cores
-        y = linear_fp8(x, weight, norm_weight, eps, silu_mul)          # (N_tok, N)
-    else:
-        if silu_mul:
-            x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
-        x = x if norm is None else norm(x)
-        y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)  # (N_tok, N)
-    return y if residual is None else residual + y
+    return linear_impl(x, weight, norm_weight, eps, silu_mul, residual)
 
 
 # Each Attention layer's (rope_store, attend) pair comes from ATTENTION, this file's last section.
@@ -1496,6 +1471,34 @@ def skinny_matmul(x, weight, norm_weight=None, eps=0.0, silu_mul=False, residual
         num_warps=num_warps, num_stages=num_stages, **PDL_LAUNCH,
     )
     return out
+
+
+def linear_impl(x, weight, norm_weight, eps, silu_mul, residual):  # (N_tok, K) -> (N_tok, N)
+    """linear's implementation, chosen here:
+    - up to SKINNY_MAX_ROWS rows on the GPU, where _skinny_config has tiles for the shape: the
+      skinny matmul, one read of the weight for every row;
+    - one row (GEMV_MAX_ROWS) otherwise: the GEMV;
+    - more rows: cuBLAS, after the elementwise kernels for f.
+    The first two apply f to x as it streams in and add the residual on the way out: a norm,
+    activation or add of its own would cost a launch and a wait (~1.5 us) for almost no bytes.
+    So a decoder layer takes 6 launches where unfused it takes 11.
+    An fp8 weight carries its scales (quantize_fp8). The GEMV and the skinny matmul read it as
+    it is, a larger bf16 batch on the GPU takes linear_fp8, and anything else widens it
+    (linear_fp8_ref: correct, and slower)."""
+    scale = weight.scale if weight.dtype == FP8 else None     # fp8 weights: (N,) fp32
+    M = x.shape[0]
+    if x.is_cuda and M <= SKINNY_MAX_ROWS and _skinny_config(*weight.shape, scale is not None, M):
+        return skinny_matmul(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
+    if x.is_cuda and M <= GEMV_MAX_ROWS:
+        return gemv(x, weight, norm_weight, eps, silu_mul, residual, scale=scale)
+    if scale is not None and x.is_cuda and x.dtype == torch.bfloat16:   # fp8 tensor cores
+        y = linear_fp8(x, weight, norm_weight, eps, silu_mul)          # (N_tok, N)
+    else:
+        if silu_mul:
+            x = silu_and_mul(x) if x.is_cuda else silu_and_mul_ref(x)   # (N_tok, I)
+        x = x if norm_weight is None else norm(x, norm_weight, eps)
+        y = F.linear(x, weight) if scale is None else linear_fp8_ref(x, weight, scale)  # (N_tok, N)
+    return y if residual is None else residual + y
 
 
 # ----------------------------------------------------------------------------
