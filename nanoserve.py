@@ -1345,16 +1345,15 @@ class LLM:
 #   4. _deliver (event loop): FrontEnd.process, then each changed state onto its queue
 #   5. generate yields the state, shape.chunks turns its Delta into chunks, and shape.stream
 #      writes each as an SSE event; steps 3-5 repeat until every choice has finished
-# A client that leaves mid-stream: under uvicorn (ASGI spec 2.3), Starlette's StreamingResponse
-# runs a listener task beside the writing, and the listener cancels the writing when the client's
-# disconnect message comes. The CancelledError is raised where the writing waits: most often
-# where generate waits on its queue, and it rises out through shape.chunks and shape.stream. (At
-# a send to a slow client instead, the generators close a moment later, as asyncio finalizes
-# them.) generate's `finally` queues the aborts (_abort), _run applies them before its next step
-# (abort_request), and Scheduler.finish frees the blocks. No one cancels a body's
-# handler, so it asks at each state whether its client is gone (_until_gone). What a client sees
-# of a chat request with "stream": true, an SSE event a line (id, created, model and "logprobs":
-# null left out):
+# A client that leaves mid-stream: Starlette's StreamingResponse cancels the writing (under
+# uvicorn's ASGI spec 2.3, a task of its own listens for the client's disconnect). The
+# CancelledError rises where the writing waits, most often at generate's queue, through
+# shape.chunks and shape.stream; at a send to a slow client, the generators close a moment
+# later, as asyncio finalizes them. generate's `finally` queues the aborts (_abort), _run applies
+# them before its next step (abort_request), and Scheduler.finish frees the blocks. No one
+# cancels a body's handler, so it asks at each state whether its client is gone (_until_gone).
+# What a client sees of a chat request with "stream": true, an SSE event a line (id, created,
+# model and "logprobs": null left out):
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
 #            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
 #     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
