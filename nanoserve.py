@@ -37,7 +37,8 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
                                                                            ModelRunner, EngineCore
     CUDA graphs                 a step replayed as one graph               ModelRunner
     the engine core process     the engine core in a process of its own    EngineCoreClient
-    incremental detokenization  a step decodes only its new tokens         RequestState, FrontEnd
+    incremental detokenization  a step decodes a window: its new tokens    RequestState, FrontEnd
+                                and a few before them
     stop strings                text cut at a stop string                  RequestState, FrontEnd
     prefix caching              blocks shared by prompts that begin alike  BlockAllocator, Sequence,
                                                                            Scheduler, EngineCore
@@ -1226,7 +1227,7 @@ class FrontEnd:
         """Apply one or more steps' outputs. Return the changed requests, and the ids of those the
         front end ended while the engine core still runs them, for it to abort (part one's front
         end ends none). Tokens the engine core computes past such an end are dropped: those of
-        the steps it ran before the abort reached it (none in LLM.run's synchronous step; a few
+        the steps it ran before the abort reached it (none in part one's synchronous step; a few
         behind the server, where tokens and abort each cross a queue)."""
         now, changed = time.perf_counter(), {}   # request id -> its state
         for out in outputs:
@@ -1320,7 +1321,7 @@ class LLM:
 # Server
 # An OpenAI-compatible HTTP API on Starlette. Its map, in the order a request takes:
 #   OpenAIServer.completions, .chat  the handlers, on the event loop: read_fields, _encode (text
-#                                    in a worker thread), sampling_params (one per choice)
+#                                    in a worker thread), sampling_params (n of them)
 #   OpenAIServer._respond            checks each choice, then answers with a stream or a body
 #   EngineCoreClient.generate        sends the choices to the engine core's own thread (_run),
 #                                    and yields a choice's RequestState each time it changes
@@ -1732,8 +1733,8 @@ class OpenAIServer:
             raise APIError(400, str(e), param="prompt")
 
     async def sampling_params(self, f: dict, max_tokens: int) -> list:
-        """One SamplingParams per choice (n of them). Choice i seeds seed + i: n different,
-        reproducible choices."""
+        """n SamplingParams, the n choices of each prompt (_respond pairs every prompt with each).
+        Choice i seeds seed + i: n different, reproducible choices."""
         n, seed = f.get("n", 1), f.get("seed")
         if not 1 <= n <= 128:
             raise APIError(400, "'n' must be in [1, 128] (OpenAI's)", param="n")

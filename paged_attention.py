@@ -17,7 +17,8 @@ owns in order. This file holds the kernels that touch that pool:
                              fp8 weights: e4m3 with a scale per output channel, and a batch's
                              activations quantized per token for torch._scaled_mm (linear chooses)
     norm, linear, ATTENTION  which of these (or of the torch versions) the engine calls, chosen
-                             in the first section (ATTENTION in the last)
+                             in the first section (linear's in linear_impl, after the skinny
+                             matmul; ATTENTION in the last)
     cuda_graph_sizes, graph_key
                              which CUDA graphs are captured, and which one replays a step
     apply_token_mask         a grammar's mask applied to the logits in place, in one launch
@@ -71,10 +72,11 @@ import triton.language as tl
 # ----------------------------------------------------------------------------
 # What the engine calls, and what each call computes
 # The contracts first: each kernel's plain torch reference, which computes the same thing one
-# sequence or one op at a time; the tests hold every implementation to these. Then the one place
-# where the engine's implementation of each step is chosen: nanoserve's layers call `norm` and
+# sequence or one op at a time; the tests hold every implementation to these. Then what the engine
+# calls, and where each one's implementation is chosen: nanoserve's layers call `norm` and
 # `linear` (on the GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch references
-# on the CPU); the sampler `argmax_rows`, `apply_token_mask`, `apply_logit_edits` with its host
+# on the CPU; `linear` is its contract here, and its kernel is chosen in `linear_impl`, after the
+# skinny matmul); the sampler `argmax_rows`, `apply_token_mask`, `apply_logit_edits` with its host
 # half `logit_edit_entries`, and `apply_top_k_top_p`; the model runner `to_device`, `put`,
 # `cuda_graph_sizes`, `graph_key` and `set_cpu_threads` (in the CPU path's section); speculative
 # decoding's `follow_accepted`; and each Attention layer one (rope_store, attend) pair of ATTENTION
