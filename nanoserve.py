@@ -1346,25 +1346,8 @@ class LLM:
 #   4. _deliver (event loop): FrontEnd.process, then each changed state onto its queue
 #   5. generate yields the state, shape.chunks turns its Delta into chunks, and shape.stream
 #      writes each as an SSE event; steps 3-5 repeat until every choice has finished
-# A client that leaves mid-stream: Starlette's StreamingResponse cancels the writing (under
-# uvicorn's ASGI spec 2.3, a task of its own listens for the client's disconnect). The
-# CancelledError rises where the writing waits, most often at generate's queue, through
-# shape.chunks and shape.stream; at a send to a slow client, the generators close a moment
-# later, as asyncio finalizes them. generate's `finally` queues the aborts (_abort), _run applies
-# them before its next step (abort_request), and Scheduler.finish frees the blocks. No one
-# cancels a body's handler, so it asks at each state whether its client is gone (_until_gone).
-# What a client sees of a chat request with "stream": true, an SSE event a line (id, created,
-# model and "logprobs": null left out):
-#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
-#            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
-#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
-#            "delta": {"content": "Paris"}, "finish_reason": null}]}
-#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {},
-#            "finish_reason": "stop"}]}
-#     data: [DONE]
-# Without "stream", the same chunks fold into one body: {"object": "chat.completion", "choices":
-# [{"index": 0, "message": {"role": "assistant", "content": "Paris"}, "finish_reason": "stop"}],
-# "usage": {...}}. A completions request's choices carry "text" instead of "delta" or "message".
+# A client that leaves is told above EngineCoreClient.generate, and a stream's events, by
+# example, above _ChatShape.
 
 # -- the engine core's client: choices out, their states back, on the event loop --
 class EngineCoreClient:
@@ -1440,6 +1423,14 @@ class EngineCoreClient:
                                             error=f"the engine failed: {e!r}")
                            for request_id in failed]
 
+    # A client that leaves mid-stream: Starlette's StreamingResponse cancels the writing (under
+    # uvicorn's ASGI spec 2.3, a task of its own listens for the client's disconnect). The
+    # CancelledError rises where the writing waits, most often at generate's queue, through
+    # shape.chunks and shape.stream; at a send to a slow client, the generators close a moment
+    # later, as asyncio finalizes them. generate's `finally` queues the aborts (_abort), _run
+    # applies them before its next step (abort_request), and Scheduler.finish frees the blocks.
+    # No one cancels a body's handler, so it asks at each state whether its client is gone
+    # (_until_gone).
     async def generate(self, requests: list):
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
         RequestState at each change until all finish. However the caller stops (done, client
@@ -1590,6 +1581,19 @@ class _CompletionShape(_Shape):
     def choice(self, d: Delta) -> dict:
         return {"index": d.index, "text": d.text, "logprobs": None,
                 "finish_reason": d.finish_reason}
+
+# What a client sees of a chat request with "stream": true, an SSE event a line (id, created,
+# model and "logprobs": null left out):
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
+#            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
+#            "delta": {"content": "Paris"}, "finish_reason": null}]}
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {},
+#            "finish_reason": "stop"}]}
+#     data: [DONE]
+# Without "stream", the same chunks fold into one body: {"object": "chat.completion", "choices":
+# [{"index": 0, "message": {"role": "assistant", "content": "Paris"}, "finish_reason": "stop"}],
+# "usage": {...}}. A completions request's choices carry "text" instead of "delta" or "message".
 
 class _ChatShape(_Shape):
     """The chat shape: a stream sends a choice's role, then its deltas, then its finish_reason."""
