@@ -493,25 +493,14 @@ class SamplingParams:
     top_p: float = _flag(1.0, "sample from the smallest top set with this much mass")
     top_k: int = _flag(-1, "sample from the k likeliest tokens (-1: all)")
     max_tokens: int = _flag(16, "most tokens to generate")
-    stop: Optional[list] = _flag(None, "a string that ends the text, not included (repeatable)")
     stop_token_ids: Optional[list] = None  # token ids that end the sequence
     ignore_eos: bool = _flag(False, "keep generating past the end-of-sequence token")
     seed: Optional[int] = _flag(None, "same seed, same random draws, whatever else is in the batch")
-    # part one's engine reads none of the fields below (nor stop): FrontEnd.validate refuses them
-    logprobs: Optional[int] = None    # also return this many top log-probs per token
-    prompt_logprobs: Optional[int] = None  # log-prob of each prompt token, + this many top
-    logit_bias: dict = field(default_factory=dict)  # token id -> bias in [-100, 100]
-    presence_penalty: float = 0.0     # OpenAI's, in [-2, 2]: minus this if generated before,
-    frequency_penalty: float = 0.0    # and minus this times the count so far
-    repetition_penalty: float = 1.0   # transformers': a seen token's logit / this (x this if < 0)
-    grammar: Optional[str] = None     # an llguidance grammar the output must follow
 
     def __post_init__(self):
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
-    needs_output_history = property(lambda self: bool(   # a penalty reads the tokens so far
-        self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1))
+PART_ONE_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
 @dataclass
 class SamplingBatch:
@@ -970,8 +959,7 @@ class EngineCoreAbort:
 class EngineCoreOutput:
     """What one step produced for one request."""
     request_id: str
-    token_id: Optional[int]           # the sampled token; None if the request failed, or if
-                                      # max_tokens is 0 (the prompt was only scored)
+    token_id: Optional[int]           # the sampled token; None if the request failed
     logprobs: Optional[tuple] = None  # (logprob, {token_id: logprob}) if asked; part one: None
     finish_reason: Optional[str] = None   # "stop", "length" or "error"
     error: str = ""                   # what failed, with finish_reason "error"
@@ -1021,8 +1009,7 @@ class EngineCore:
 
     def step(self) -> list:
         """One step, whole: schedule and launch it, sample it on the device, then read its tokens
-        back (_commit). Returns an EngineCoreOutput per token read back (its token_id None where
-        max_tokens 0 only scores the prompt)."""
+        back (_commit). Returns an EngineCoreOutput per token read back."""
         self.committed = []     # _commit adds each output as it makes it (EngineCoreClient._step)
         launched = self._launch()
         if launched is not None:
@@ -1060,9 +1047,7 @@ class EngineCore:
         the token finishes it."""
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
-        keep = seq.params.max_tokens > 0     # 0: only scored (prompt log-probs; not in part one)
-        out = EngineCoreOutput(seq.request_id, token if keep else None,
-                               num_cached_tokens=seq.num_cached_tokens)
+        out = EngineCoreOutput(seq.request_id, token, num_cached_tokens=seq.num_cached_tokens)
         out.finish_reason = self._finish_reason(seq, token)
         if out.finish_reason is not None:
             self.scheduler.finish(seq, out.finish_reason)
@@ -1157,9 +1142,8 @@ class RequestState:
 def check_sampling_params(p: SamplingParams):
     """SamplingParams' own checks: a ValueError, naming the field first. One also normalizes: a
     tiny temperature becomes 0."""
-    least = 0 if p.prompt_logprobs is not None else 1   # 0: score the prompt (not part one's)
-    if not isinstance(p.max_tokens, int) or p.max_tokens < least:
-        raise ValueError(f"max_tokens must be an integer >= {least}, got {p.max_tokens!r}")
+    if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
     if not 0 <= p.temperature < math.inf:
         raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
     if p.temperature < 1e-5:   # greedy, as vLLM takes it: logits / 1e-40 (a denormal) overflow
@@ -1196,12 +1180,12 @@ class FrontEnd:
     def validate(self, prompt_ids: list, params: SamplingParams):
         """Every check the engine core relies on, made before it sees the request."""
         check_sampling_params(params)
-        # Part one's engine reads none of these: run with it, they are refused, not ignored.
-        for name in ("stop", "logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "grammar"):
-            if self.cfg.part_one and getattr(params, name) != getattr(SamplingParams(), name):
-                raise ValueError(f"part one's engine (--part-one) has no {name}: leave it out, "
-                                 f"or leave out --part-one")
+        # A field beyond part one's (a SamplingParams may carry more) is refused, not ignored.
+        for f in dataclasses.fields(params) if self.cfg.part_one else ():
+            if f.name not in PART_ONE_SAMPLING_FIELDS and \
+                    getattr(params, f.name) != getattr(type(params)(), f.name):
+                raise ValueError(f"part one's engine (--part-one) has no {f.name}: leave it "
+                                 f"out, or leave out --part-one")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.cfg.vocab_size:   # C loops, not Python
@@ -2313,8 +2297,16 @@ class IncrementalFrontEnd(FrontEnd):
 # the server, or a chapter's accepted drafts). So the text is kept per step (incremental), each
 # call's new text is searched with the few characters before it, and a stream holds back the
 # tail of its text that could still grow into a stop string (take_delta's hold).
-# Extends: RequestState (incremental; take_delta's hold), FrontEnd (process ends a request at its
-# stop string, and names it to abort).
+# Extends: SamplingParams (stop), RequestState (incremental; take_delta's hold), FrontEnd
+# (process ends a request at its stop string, and names it to abort).
+
+@dataclass
+class StopStringParams(SamplingParams):
+    stop: Optional[list] = _flag(None, "a string that ends the text, not included (repeatable)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 class StopStringRequestState(RequestState):
     def __init__(self, *args, **kwargs):
@@ -2850,11 +2842,24 @@ class SpeculativeEngineCore(AsyncEngineCore):
 # frequency and repetition penalties, which read the tokens so far. They apply as sparse edits at
 # (row, token) entries, never as a dense (B, V) bias (pa.apply_logit_edits).
 # The server reads the fields (LogprobsServer) and writes the log-probs in each endpoint's shape.
-# Extends: FrontEnd (validate: check_logit_params), Sequence (its prompt log-probs so far),
-# ModelRunner (head: the prompt log-probs; draw: the edits; sample: the log-probs, copied back
-# after the tokens), EngineCore (_append_token reports them), OpenAIServer (sampling_params;
-# completion_shape and chat_shape, with completions' echo). A seam: reuse_cached_prefix (a
-# request for prompt log-probs computes every prompt row).
+# Extends: SamplingParams (the fields), FrontEnd (validate: check_logit_params, and max_tokens 0
+# for the prompt's log-probs alone), Sequence (its prompt log-probs so far), ModelRunner (head:
+# the prompt log-probs; draw: the edits; sample: the log-probs, copied back after the tokens),
+# EngineCore (_append_token reports them, and drops the token of a prompt only scored),
+# OpenAIServer (sampling_params; completion_shape and chat_shape, with completions' echo). A
+# seam: reuse_cached_prefix (a request for prompt log-probs computes every prompt row).
+
+@dataclass
+class LogprobsParams(SamplingParams):
+    logprobs: Optional[int] = None    # also return this many top log-probs per token
+    prompt_logprobs: Optional[int] = None  # log-prob of each prompt token, + this many top
+    logit_bias: dict = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    presence_penalty: float = 0.0     # OpenAI's, in [-2, 2]: minus this if generated before,
+    frequency_penalty: float = 0.0    # and minus this times the count so far
+    repetition_penalty: float = 1.0   # transformers': a seen token's logit / this (x this if < 0)
+
+    needs_output_history = property(lambda self: bool(   # a penalty reads the tokens so far
+        self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1))
 
 def check_logit_params(p: SamplingParams, vocab_size: float):
     """The ranges of this chapter's SamplingParams fields; logit_bias's keys made ints."""
@@ -2873,7 +2878,16 @@ def check_logit_params(p: SamplingParams, vocab_size: float):
 
 class LogprobsFrontEnd(FrontEnd):
     def validate(self, prompt_ids: list, params: SamplingParams):
-        super().validate(prompt_ids, params)
+        """Part one's checks, then this chapter's. max_tokens 0 asks for the prompt's log-probs
+        alone (echo): it is checked as 1, the token sampled then dropped (LogprobsEngineCore)."""
+        scores_only = params.max_tokens == 0 and params.prompt_logprobs is not None
+        if scores_only:
+            params.max_tokens = 1
+        try:
+            super().validate(prompt_ids, params)
+        finally:
+            if scores_only:
+                params.max_tokens = 0
         check_logit_params(params, self.cfg.vocab_size)
 
 class LogprobsSequence(Sequence):
@@ -2943,6 +2957,8 @@ class LogprobsEngineCore(EngineCore):
         (logprobs: the token's row, (chosen, top values, top ids), if the step computed any);
         with its first token, its prompt's log-probs."""
         out = super()._append_token(seq, token)
+        if seq.params.max_tokens == 0:        # the prompt only scored: its token is dropped
+            out.token_id = None
         if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
             out.prompt_logprobs = seq.prompt_logprobs
         k = seq.params.logprobs
@@ -3476,6 +3492,10 @@ def check_grammar(grammar):
         raise ValueError(f"grammar is not valid: {error.strip()}")
 
 _grammar_error = functools.lru_cache(maxsize=256)(llguidance.LLMatcher.validate_grammar)
+
+@dataclass
+class GrammarParams(SamplingParams):
+    grammar: Optional[str] = None     # an llguidance grammar the output must follow
 
 class GrammarFrontEnd(FrontEnd):
     """The front end that knows how the model writes a tool call (read_tool_calls), compiles
@@ -4609,7 +4629,10 @@ def _exit_with(ends):
 # weights' load_model quantizes what tensor parallelism's builds (a rank's shard). In the
 # server, APIServer comes first: its routes() puts the Responses route behind the API key too.
 # Two part-one functions are wrapped here too: generate's speed line (with_drafts_accepted) and
-# LLM.run (ends_every_request). LLM is part one's class, so its --part-one runs get both.
+# LLM.run (ends_every_request). LLM is part one's class, so its --part-one runs get both. And
+# the name SamplingParams comes to mean the default engine's (DefaultSamplingParams), which
+# LLM's callers, the server and the CLI make; under --part-one, FrontEnd.validate refuses any
+# of its fields beyond part one's that is not at its default.
 
 class DefaultSequence(SpeculativeSequence, PrefixCachingSequence, GrammarSequence,
                       LogprobsSequence, AsyncSequence, Sequence):
@@ -4632,6 +4655,10 @@ class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, GrammarE
 class DefaultRequestState(StopStringRequestState, IncrementalRequestState, RequestState):
     pass
 
+@dataclass
+class DefaultSamplingParams(StopStringParams, GrammarParams, LogprobsParams, SamplingParams):
+    pass
+
 class DefaultFrontEnd(StopStringFrontEnd, IncrementalFrontEnd, GrammarFrontEnd, LogprobsFrontEnd,
                       FrontEnd):
     state_class = DefaultRequestState
@@ -4643,6 +4670,7 @@ class DefaultServer(APIServer, ResponsesServer, GrammarServer, LogprobsServer, O
     pass
 
 LLM.engine_class = DefaultEngineCore
+SamplingParams = DefaultSamplingParams       # what LLM's callers, the server and the CLI make
 speed_line = with_drafts_accepted(speed_line)
 LLM.run = ends_every_request(LLM.run)
 LLM.front_class = EngineCoreClient.front_class = DefaultFrontEnd
