@@ -4,7 +4,7 @@ This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engine
 cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
-server with SSE streaming. The kernels live in paged_attention.py. Part one took 251 minutes in the
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 257 minutes in the
 last timed read (README.md's reading path), the chapters about 280.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
@@ -39,19 +39,20 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
     the engine core process     the engine core in a process of its own    EngineCoreClient
     incremental detokenization  a step decodes a window: its new tokens    RequestState, FrontEnd
                                 and a few before them
-    stop strings                text cut at a stop string                  RequestState, FrontEnd
+    stop strings                text cut at a stop string                  SamplingParams,
+                                                                           RequestState, FrontEnd
     prefix caching              blocks shared by prompts that begin alike  BlockAllocator, Sequence,
                                                                            Scheduler, EngineCore
     the burst rule              decodes wait at a burst of prompts         Scheduler
     speculative decoding        drafts by prompt lookup, checked at once   Sequence, Scheduler,
                                                                            ModelRunner, EngineCore,
                                                                            speed_line
-    log-probs and logit edits   log-probs; logit_bias and penalties        FrontEnd, OpenAIServer,
-                                                                           Sequence, ModelRunner,
-                                                                           EngineCore
-    structured output           grammars and tool calls                    FrontEnd, OpenAIServer,
-                                                                           Sequence, ModelRunner,
-                                                                           EngineCore
+    log-probs and logit edits   log-probs; logit_bias and penalties        SamplingParams, FrontEnd,
+                                                                           OpenAIServer, Sequence,
+                                                                           ModelRunner, EngineCore
+    structured output           grammars and tool calls                    SamplingParams, FrontEnd,
+                                                                           OpenAIServer, Sequence,
+                                                                           ModelRunner, EngineCore
     tensor parallelism          the model cut over GPUs                    ModelRunner, Attention
                                                                            and MLP (forward hooks)
     fp8 weights                 e4m3 weights, a scale per row              ModelRunner
@@ -63,8 +64,9 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
 
 What a chapter changes in part one is a whole method it overrides, or a hook torch calls around
 a module's forward; under --part-one, part one's classes run as if the chapters were not there.
-The one exception: two chapters wrap a part-one function at the end of the file (speed_line,
-LLM.run), for --part-one's runs too.
+The exceptions are three names the end of the file rebinds, for --part-one's runs too: two
+chapters wrap a part-one function (speed_line, LLM.run), and SamplingParams comes to mean the
+default engine's, whose fields beyond part one's --part-one refuses.
 """
 
 from __future__ import annotations
@@ -485,7 +487,8 @@ def build_model(cfg: Config, tensors=None) -> Model:
 # its own settings, so one request's choices never change another's. A seeded row draws its noise
 # from its own generator, seeded anew for each token by the request's seed and the token's
 # position (ModelRunner.sampling_batch hashes the two). So a draw depends on nothing else: not
-# the batch, nor which steps ran before. No step waits for the host (no sync).
+# the batch, nor which steps ran before. No step waits for the host (no sync; but the torch
+# references of attention, on CUDA, do: they are the tests' contracts, not a path to run).
 
 @dataclass
 class SamplingParams:
@@ -500,6 +503,8 @@ class SamplingParams:
     def __post_init__(self):
         self.stop_token_ids = list(self.stop_token_ids or [])
 
+# The end of the file rebinds the name SamplingParams to the default engine's, which carries more
+# fields; FrontEnd.validate refuses those under --part-one (these are part one's).
 PART_ONE_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
 @dataclass
@@ -1797,7 +1802,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=()):
             # a flag that is on by default turns it off
             kw = dict(action="store_false" if f.default else "store_true",
                       help=("do not " if f.default else "") + f.metadata["help"])
-        elif f.type == "Optional[list]":   # repeatable: --stop A --stop B
+        elif f.type == "Optional[list]":   # repeatable: --name A --name B
             kw = dict(action="append", help=f.metadata["help"])
         else:                            # int, float or str, Optional or not
             kind = float if "float" in f.type else int if "int" in f.type else str
