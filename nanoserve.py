@@ -1186,9 +1186,10 @@ class FrontEnd:
         """Every check the engine core relies on, made before it sees the request."""
         check_sampling_params(params)
         # A field beyond part one's (a SamplingParams may carry more) is refused, not ignored.
+        default = type(params)() if self.cfg.part_one else None
         for f in dataclasses.fields(params) if self.cfg.part_one else ():
             if f.name not in PART_ONE_SAMPLING_FIELDS and \
-                    getattr(params, f.name) != getattr(type(params)(), f.name):
+                    getattr(params, f.name) != getattr(default, f.name):
                 raise ValueError(f"part one's engine (--part-one) has no {f.name}: leave it "
                                  f"out, or leave out --part-one")
         if not prompt_ids:
@@ -4500,9 +4501,9 @@ class _ResponsesShape:
 # closes the engine core's outbox instead, which the engine core watches too, and it ends at
 # once with its workers.
 # Extends: LLM.run (wrapped at the end of the file: ends_every_request, for part one's engine
-# too). Seams: run_engine_core (fail_running), EngineCoreClient
-# (child_stopped_on_error, sigint_held; receive: engine_died) and
-# run_engine_core (follow_parent); the tensor-parallel workers use the last two alike.
+# too). The engine core process chapter calls it in run_engine_core (fail_running,
+# follow_parent), start_engine_core (child_stopped_on_error, sigint_held) and receive_outputs
+# (engine_died); the tensor-parallel workers use sigint_held and follow_parent alike.
 
 def fail_running(core: EngineCore, error: BaseException, waiting: bool = False) -> list:
     """A step raised, or LLM.run stopped (end_run). Every running sequence ends in error, and its
