@@ -42,12 +42,14 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
     stop strings                text cut at a stop string                  SamplingParams,
                                                                            RequestState, FrontEnd
     prefix caching              blocks shared by prompts that begin alike  BlockAllocator, Sequence,
-                                                                           Scheduler, EngineCore
+                                                                           Scheduler, EngineCore,
+                                                                           RequestState, FrontEnd
     the burst rule              decodes wait at a burst of prompts         Scheduler
     speculative decoding        drafts by prompt lookup, checked at once   Sequence, Scheduler,
                                                                            ModelRunner, EngineCore,
                                                                            speed_line
     log-probs and logit edits   log-probs; logit_bias and penalties        SamplingParams, FrontEnd,
+                                                                           RequestState, Delta,
                                                                            OpenAIServer, Sequence,
                                                                            ModelRunner, EngineCore
     structured output           grammars and tool calls                    SamplingParams, FrontEnd,
@@ -599,7 +601,6 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)        # prompt + output so far
         self.num_prompt_tokens = len(prompt_token_ids)     # fixed: output starts after these
         self.num_computed_tokens = 0     # tokens launched: their K/V in the cache, or on the way
-        self.num_cached_tokens = 0       # prompt tokens whose K/V were found, not computed (0 here)
         self.block_table: list[int] = []                   # logical block i -> pool block id
         self.status, self.finish_reason = "waiting", None   # "running" (back to "waiting" if
                                                             # preempted), then "finished"
@@ -965,17 +966,14 @@ class EngineCoreOutput:
     """What one step produced for one request."""
     request_id: str
     token_id: Optional[int]           # the sampled token; None if the request failed
-    logprobs: Optional[tuple] = None  # (logprob, {token_id: logprob}) if asked; part one: None
     finish_reason: Optional[str] = None   # "stop", "length" or "error"
     error: str = ""                   # what failed, with finish_reason "error"
-    num_cached_tokens: int = 0        # prompt tokens whose K/V were already in the pool (0 here)
-    prompt_logprobs: Optional[list] = None  # with the first token, if asked; part one: None
 
 class EngineCore:
     # The classes it is built from. Part one's here; the default engine at the end of the file
     # names its own.
     allocator_class, scheduler_class, runner_class = BlockAllocator, Scheduler, ModelRunner
-    sequence_class = Sequence
+    sequence_class, output_class = Sequence, EngineCoreOutput
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -1052,7 +1050,7 @@ class EngineCore:
         the token finishes it."""
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
-        out = EngineCoreOutput(seq.request_id, token, num_cached_tokens=seq.num_cached_tokens)
+        out = self.output_class(seq.request_id, token)
         out.finish_reason = self._finish_reason(seq, token)
         if out.finish_reason is not None:
             self.scheduler.finish(seq, out.finish_reason)
@@ -1115,9 +1113,7 @@ class Delta:
     index: int                        # which of a server request's choices
     text: str                         # new text that is safe to send (may be "")
     token_ids: list                   # the new tokens
-    logprobs: list                    # their (logprob, {token_id: logprob}), if asked ([] here)
     finish_reason: Optional[str]      # "stop", "length" or "error" on the last one
-    prompt_logprobs: Optional[list]   # on the first one, if asked (None here)
 
 class RequestState:
     """One request as the front end sees it; LLM.generate returns these (vLLM's RequestOutput)."""
@@ -1126,22 +1122,18 @@ class RequestState:
         self.request_id, self.prompt_token_ids, self.params = request_id, prompt_ids, params
         self.index = index                # which of a server request's choices
         self.incremental = incremental    # text at each step (the server's), or only at the end
-        self.token_ids, self.logprobs, self.prompt_logprobs = [], [], None  # the completion's
-        self.text, self.num_sent_chars, self.num_sent_tokens = "", 0, 0
-        self.finish_reason, self.error, self.num_cached_tokens = None, "", 0
+        self.token_ids, self.text = [], ""            # the completion's
+        self.num_sent_chars = self.num_sent_tokens = 0   # of those, taken in Deltas
+        self.finish_reason, self.error = None, ""
         self.arrival_time = time.perf_counter()   # perf_counter() times, for latencies
         self.first_token_time = self.finish_time = None
         self.queue = queue                # the server's: _deliver puts each change
 
-    def take_delta(self, hold: int = 0) -> Delta:
-        """All new since the last call, less the last `hold` characters of the text (part one's
-        callers hold none)."""
-        end = max(self.num_sent_chars, len(self.text) - hold)
-        n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
-        delta = Delta(self.index, self.text[self.num_sent_chars:end], self.token_ids[n:],
-                      self.logprobs[n:], self.finish_reason,
-                      self.prompt_logprobs if first else None)
-        self.num_sent_chars, self.num_sent_tokens = end, len(self.token_ids)
+    def take_delta(self) -> Delta:
+        """All that is new since the last call."""
+        delta = Delta(self.index, self.text[self.num_sent_chars:],
+                      self.token_ids[self.num_sent_tokens:], self.finish_reason)
+        self.num_sent_chars, self.num_sent_tokens = len(self.text), len(self.token_ids)
         return delta
 
 def check_sampling_params(p: SamplingParams):
@@ -1226,12 +1218,9 @@ class FrontEnd:
                 continue
             changed[out.request_id] = state
             state.first_token_time = state.first_token_time or now
-            state.num_cached_tokens = out.num_cached_tokens
-            state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
             state.finish_reason, state.error = out.finish_reason, out.error
             if out.token_id is not None:
                 state.token_ids.append(out.token_id)
-                state.logprobs += [out.logprobs] if out.logprobs else []
         states = list(changed.values())
         self._detokenize([s for s in states if s.incremental or s.finish_reason])   # or at the end
         for state in states:
@@ -1309,35 +1298,24 @@ class LLM:
 
 # ---------------------------------------------------------------------------
 # Server
-# An OpenAI-compatible HTTP API on Starlette. Its map, in the order a request takes:
-#   OpenAIServer.completions, .chat  the handlers, on the event loop: read_fields, _encode (text
-#                                    in a worker thread), sampling_params (n of them)
-#   OpenAIServer._respond            checks each choice, then answers with a stream or a body
-#   EngineCoreClient.generate        sends the choices to the engine core's own thread (_run),
-#                                    and yields a choice's RequestState each time it changes
-#   _Shape.chunks                    each state's new part (a Delta) as the endpoint's chunks
-#   _Shape.stream or _Shape.body     the chunks as server-sent events (SSE: a `data: ...` line
-#                                    each, through Starlette's StreamingResponse), or folded
-#                                    into one body (_fold)
-# The code comes bottom-up: the client, the response shapes, then the server that uses both.
-# (OpenAI's terms: a choice is one of the n answers a request asks for; a chunk is one piece of
-# a streamed answer; usage counts a request's prompt and completion tokens.)
-# With n = 2, _respond makes two choices (prompt ids, SamplingParams), generate makes a
-# RequestState of each on one queue, and body folds each choice's chunks by its index (_fold).
-# A streamed request, in order, each line with who runs it:
-#   1. the handler (event loop): read_fields, _encode (text in a worker thread),
-#      sampling_params; then _respond checks each choice and returns a StreamingResponse over
-#      shape.stream
-#   2. the StreamingResponse (event loop) pulls the first events (a chat stream's role chunk comes
-#      first): client.generate tracks the choices in the front end (FrontEnd.add) and puts them
-#      in `outgoing`
+# An OpenAI-compatible HTTP API on Starlette. OpenAI's terms: a choice is one of the n answers a
+# request asks for, a chunk is one piece of a streamed answer, and usage counts a request's
+# prompt and completion tokens. The code comes bottom-up: the engine core's client, the response
+# shapes, then the server that uses both. One streamed chat request, each step with who runs it:
+#   1. OpenAIServer.chat, the handler (event loop): read_fields checks the body, _encode
+#      tokenizes in a worker thread, and sampling_params makes n SamplingParams. _respond checks
+#      each choice (FrontEnd.validate) and returns a StreamingResponse over shape.stream.
+#   2. The StreamingResponse (event loop) pulls the first event. EngineCoreClient.generate
+#      tracks each choice in the front end (FrontEnd.add) and puts them in `outgoing`.
 #   3. _run (the engine core's thread) takes them, steps, and hands each step's outputs to the
-#      event loop (call_soon_threadsafe)
-#   4. _deliver (event loop): FrontEnd.process, then each changed state onto its queue
-#   5. generate yields the state, shape.chunks turns its Delta into chunks, and shape.stream
-#      writes each as an SSE event; steps 3-5 repeat until every choice has finished
-# A client that leaves is told above EngineCoreClient.generate, and a stream's events, by
-# example, above _ChatShape.
+#      event loop (call_soon_threadsafe).
+#   4. _deliver (event loop): FrontEnd.process, then each changed RequestState onto its queue.
+#   5. generate yields the state. shape.chunks turns its new part (a Delta) into chunks, and
+#      shape.stream writes each as an SSE event. Steps 3-5 repeat until every choice ends.
+# Without "stream", shape.body folds the same chunks into one response (_fold). With n = 2, two
+# choices run, two RequestStates share one queue, and each chunk names its choice's index.
+# A client that leaves is told above EngineCoreClient.generate; a stream's events, by example,
+# above _ChatShape.
 
 # -- the engine core's client: choices out, their states back, on the event loop --
 class EngineCoreClient:
@@ -1529,7 +1507,7 @@ class _Shape:
 
     def last(self, state: RequestState, d: Delta) -> dict:
         """The chunk that carries the finish_reason."""
-        return self.choice(dataclasses.replace(d, text="", token_ids=[], logprobs=[]))
+        return self.choice(dataclasses.replace(d, text="", token_ids=[]))
 
     async def stream(self, chunks, include_usage: bool):
         """OpenAI's stream, as server-sent events (_sse): each chunk's JSON, then `[DONE]`. An
@@ -2302,8 +2280,8 @@ class IncrementalFrontEnd(FrontEnd):
 # may span tokens, and several tokens may arrive in one call of process (steps batched behind
 # the server, or a chapter's accepted drafts). So the text is kept per step (incremental), each
 # call's new text is searched with the few characters before it, and a stream holds back the
-# tail of its text that could still grow into a stop string (take_delta's hold).
-# Extends: SamplingParams (stop), RequestState (incremental; take_delta's hold), FrontEnd
+# tail of its text that could still grow into a stop string (take_delta).
+# Extends: SamplingParams (stop), RequestState (incremental; take_delta holds the tail), FrontEnd
 # (process ends a request at its stop string, and names it to abort).
 
 @dataclass
@@ -2319,10 +2297,17 @@ class StopStringRequestState(RequestState):
         super().__init__(*args, **kwargs)
         self.incremental = self.incremental or bool(self.params.stop)   # text at every step
 
-    def take_delta(self, hold: int = 0) -> Delta:
-        """Part one's, holding back the tail that could still begin a stop string."""
+    def take_delta(self) -> Delta:
+        """Part one's, less the tail of the text that could still begin a stop string: until
+        the request ends, part one's sees the text without it."""
         tail = max((len(s) - 1 for s in self.params.stop), default=0)
-        return super().take_delta(hold if self.finish_reason else max(hold, tail))
+        if self.finish_reason is not None or tail == 0:
+            return super().take_delta()
+        text, self.text = self.text, self.text[:max(self.num_sent_chars, len(self.text) - tail)]
+        try:
+            return super().take_delta()
+        finally:
+            self.text = text
 
 class StopStringFrontEnd(FrontEnd):
     state_class = StopStringRequestState
@@ -2354,8 +2339,9 @@ def end_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars: int)
 def _truncate_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars: int) -> bool:
     """Cut the text at the earliest stop string; a new match ends inside this call's text.
     Several tokens may arrive in one call (steps batched behind the server, or a chapter's
-    accepted drafts). Those after the token that completes the stop string are cut too, with
-    their log-probs: the output is the same as if they had come one at a time."""
+    accepted drafts). Those after the token that completes the stop string are cut too (and
+    their log-probs, by LogprobsFrontEnd): the output is the same as if they had come one at a
+    time."""
     matches = [(i, i + len(stop)) for stop in state.params.stop
                if (i := state.text.find(stop, max(0, num_old_chars - len(stop) + 1))) != -1]
     if not matches:
@@ -2364,7 +2350,7 @@ def _truncate_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars
     n = len(state.token_ids)   # walk back to the fewest whose text holds the match
     while n > 1 and front.decode(state.token_ids[:n - 1]).startswith(state.text[:end]):
         n -= 1
-    del state.token_ids[n:], state.logprobs[n:]
+    del state.token_ids[n:]
     state.text = state.text[:first]
     return True
 
@@ -2381,7 +2367,8 @@ def _truncate_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars
 # more prompts share, outlives its tail.
 # Extends: BlockAllocator (names, evictable blocks), Sequence (its blocks' hashes), Scheduler
 # (_admit reuses a prefix; finish names the blocks before they are freed), EngineCore (_commit
-# names the blocks each step fills).
+# names the blocks each step fills; _append_token reports the prompt tokens found), RequestState
+# and FrontEnd (process: that count, num_cached_tokens, as vLLM's RequestOutput has it).
 
 class PrefixCachingAllocator(BlockAllocator):
     def __init__(self, num_blocks: int):
@@ -2428,6 +2415,7 @@ class PrefixCachingSequence(Sequence):
         super().__init__(*args)
         self.block_hashes = []       # the hash of each full block of token_ids, in order
         self.num_named_blocks = 0    # block_table's first blocks, named in the allocator
+        self.num_cached_tokens = 0   # prompt tokens whose K/V were found, not computed
 
 def prefix_hash(parent: Optional[int], token_ids) -> int:
     """Name a full block by its tokens and, through the parent's hash (None for the first block),
@@ -2496,7 +2484,17 @@ class PrefixCachingScheduler(Scheduler):
             self.name_computed_blocks(seq)    # before the free: a named block stays findable
         super().finish(seq, reason)
 
+@dataclass
+class PrefixCachingOutput(EngineCoreOutput):
+    num_cached_tokens: int = 0        # the request's prompt tokens found in the pool
+
 class PrefixCachingEngineCore(EngineCore):
+    def _append_token(self, seq: Sequence, token: int, *row) -> EngineCoreOutput:
+        """Part one's, its output saying how many prompt tokens were found in the pool."""
+        out = super()._append_token(seq, token, *row)
+        out.num_cached_tokens = seq.num_cached_tokens
+        return out
+
     def stats(self) -> dict:
         s = self.scheduler
         return super().stats() | dict(
@@ -2510,6 +2508,19 @@ class PrefixCachingEngineCore(EngineCore):
         for seq in step.batch.seqs:
             if not seq.is_finished:              # (a finished one named its blocks at the end)
                 self.scheduler.name_computed_blocks(seq)
+
+class PrefixCachingRequestState(RequestState):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_cached_tokens = 0    # its prompt tokens found in the pool (vLLM's RequestOutput)
+
+class PrefixCachingFrontEnd(FrontEnd):
+    def process(self, outputs: list) -> tuple[list, list]:
+        """Part one's, and each request's count of prompt tokens found in the pool."""
+        for out in outputs:
+            if out.finish_reason != "error" and (state := self.states.get(out.request_id)):
+                state.num_cached_tokens = out.num_cached_tokens
+        return super().process(outputs)
 
 # ---------------------------------------------------------------------------
 # Chapter: the burst rule
@@ -2848,8 +2859,9 @@ class SpeculativeEngineCore(AsyncEngineCore):
 # frequency and repetition penalties, which read the tokens so far. They apply as sparse edits at
 # (row, token) entries, never as a dense (B, V) bias (pa.apply_logit_edits).
 # The server reads the fields (LogprobsServer) and writes the log-probs in each endpoint's shape.
-# Extends: SamplingParams (the fields), FrontEnd (validate: check_logit_params, and max_tokens 0
-# for the prompt's log-probs alone), Sequence (its prompt log-probs so far), ModelRunner (head:
+# Extends: SamplingParams (the fields), RequestState, Delta and EngineCoreOutput (the log-probs),
+# FrontEnd (validate: check_logit_params, and max_tokens 0 for the prompt's log-probs alone;
+# process: the log-probs), Sequence (its prompt log-probs so far), ModelRunner (head:
 # the prompt log-probs; draw: the edits; sample: the log-probs, copied back after the tokens),
 # EngineCore (_append_token reports them, and drops the token of a prompt only scored),
 # OpenAIServer (sampling_params; completion_shape and chat_shape, with completions' echo). A
@@ -2883,6 +2895,18 @@ def check_logit_params(p: SamplingParams, vocab_size: float):
         raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
 
 class LogprobsFrontEnd(FrontEnd):
+    def process(self, outputs: list) -> tuple[list, list]:
+        """Part one's, and the log-probs of each token, and of a first token's prompt. Those of
+        tokens a stop string cut (StopStringFrontEnd, which runs inside this) are cut too."""
+        for out in outputs:
+            if out.finish_reason != "error" and (state := self.states.get(out.request_id)):
+                state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
+                state.logprobs += [out.logprobs] if out.logprobs else []
+        states, stopped = super().process(outputs)
+        for state in states:
+            del state.logprobs[len(state.token_ids):]
+        return states, stopped
+
     def validate(self, prompt_ids: list, params: SamplingParams):
         """Part one's checks, then this chapter's. max_tokens 0 asks for the prompt's log-probs
         alone (echo): it is checked as 1, the token sampled then dropped (LogprobsEngineCore)."""
@@ -2895,6 +2919,29 @@ class LogprobsFrontEnd(FrontEnd):
             if scores_only:
                 params.max_tokens = 0
         check_logit_params(params, self.cfg.vocab_size)
+
+class LogprobsRequestState(RequestState):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logprobs: list = []          # (logprob, {token_id: logprob}) per token, if asked
+        self.prompt_logprobs = None       # the same per prompt token, if asked
+
+    def take_delta(self) -> Delta:
+        """Part one's Delta with its tokens' log-probs, and on the first, the prompt's."""
+        n, first = self.num_sent_tokens, self.num_sent_chars == self.num_sent_tokens == 0
+        d = super().take_delta()
+        return LogprobsDelta(d.index, d.text, d.token_ids, d.finish_reason, self.logprobs[n:],
+                             self.prompt_logprobs if first else None)
+
+@dataclass
+class LogprobsDelta(Delta):
+    logprobs: list                    # the new tokens' (logprob, {token_id: logprob}), if asked
+    prompt_logprobs: Optional[list]   # on the first one, if asked
+
+@dataclass
+class LogprobsOutput(EngineCoreOutput):
+    logprobs: Optional[tuple] = None  # (logprob, {token_id: logprob}), if asked
+    prompt_logprobs: Optional[list] = None  # with the first token, if asked
 
 class LogprobsSequence(Sequence):
     def __init__(self, *args):
@@ -4632,13 +4679,18 @@ def _exit_with(ends):
 # handing on to the next with super(), and part one's last. So the order says who wraps whom:
 # prefix caching's _commit names the blocks after async scheduling's has read the step back,
 # and speculative decoding's schedule adds drafts to the batch the others have built. fp8
-# weights' load_model quantizes what tensor parallelism's builds (a rank's shard). In the
+# weights' load_model quantizes what tensor parallelism's builds (a rank's shard). The log-probs'
+# FrontEnd.process cuts the log-probs of the tokens a stop string has cut. In the
 # server, APIServer comes first: its routes() puts the Responses route behind the API key too.
 # Two part-one functions are wrapped here too: generate's speed line (with_drafts_accepted) and
 # LLM.run (ends_every_request). LLM is part one's class, so its --part-one runs get both. And
 # the name SamplingParams comes to mean the default engine's (DefaultSamplingParams), which
 # LLM's callers, the server and the CLI make; under --part-one, FrontEnd.validate refuses any
 # of its fields beyond part one's that is not at its default.
+
+@dataclass
+class DefaultEngineCoreOutput(LogprobsOutput, PrefixCachingOutput):
+    pass
 
 class DefaultSequence(SpeculativeSequence, PrefixCachingSequence, GrammarSequence,
                       LogprobsSequence, AsyncSequence, Sequence):
@@ -4656,17 +4708,18 @@ class DefaultEngineCore(SpeculativeEngineCore, PrefixCachingEngineCore, GrammarE
                         LogprobsEngineCore, AsyncEngineCore, EngineCore):
     allocator_class, scheduler_class, runner_class = PrefixCachingAllocator, DefaultScheduler, \
         DefaultRunner
-    sequence_class = DefaultSequence
+    sequence_class, output_class = DefaultSequence, DefaultEngineCoreOutput
 
-class DefaultRequestState(StopStringRequestState, IncrementalRequestState, RequestState):
+class DefaultRequestState(StopStringRequestState, IncrementalRequestState, LogprobsRequestState,
+                          PrefixCachingRequestState, RequestState):
     pass
 
 @dataclass
 class DefaultSamplingParams(StopStringParams, GrammarParams, LogprobsParams, SamplingParams):
     pass
 
-class DefaultFrontEnd(StopStringFrontEnd, IncrementalFrontEnd, GrammarFrontEnd, LogprobsFrontEnd,
-                      FrontEnd):
+class DefaultFrontEnd(LogprobsFrontEnd, StopStringFrontEnd, IncrementalFrontEnd, GrammarFrontEnd,
+                      PrefixCachingFrontEnd, FrontEnd):
     state_class = DefaultRequestState
 
 class DefaultClient(MetricsClient, EngineCoreProcessClient):

@@ -72,17 +72,18 @@ import triton.language as tl
 # ----------------------------------------------------------------------------
 # What the engine calls, and what each call computes
 # The contracts first: each kernel's plain torch reference, which computes the same thing one
-# sequence or one op at a time; the tests hold every implementation to these. Then what the engine
-# calls, and where each one's implementation is chosen: nanoserve's layers call `norm` and
-# `linear` (on the GPU Triton kernels, or cuBLAS for matmuls of several rows; the torch references
-# on the CPU; `linear` is its contract here, and its kernel is chosen in `linear_impl`, after the
-# skinny matmul); the sampler `argmax_rows`, `apply_token_mask`, `apply_logit_edits` with its host
-# half `logit_edit_entries`, and `apply_top_k_top_p`; the model runner `to_device`, `put`,
-# `cuda_graph_sizes`, `graph_key` and `set_cpu_threads` (in the CPU path's section); speculative
-# decoding's `follow_accepted`; and each Attention layer one (rope_store, attend) pair of ATTENTION
-# (the last section): rope_store rotates q in place and writes the rotated k, and v, into the pool,
-# attend reads the pool through the step's AttentionMetadata (as decode when every sequence brings
-# one token).
+# sequence or one op at a time. The tests hold every implementation to these. Then what the
+# engine calls, by caller:
+#     the layers             norm, linear (its kernel chosen in linear_impl)
+#     each Attention layer   a (rope_store, attend) pair of ATTENTION (the last section)
+#     the sampler            argmax_rows, apply_token_mask, apply_top_k_top_p,
+#                            apply_logit_edits (its host half: logit_edit_entries)
+#     the model runner       to_device, put, cuda_graph_sizes, graph_key, set_cpu_threads
+#     speculative decoding   follow_accepted
+# On the GPU they run Triton kernels (cuBLAS for matmuls of several rows); on the CPU, the torch
+# references and SDPA. rope_store rotates q in place and writes the rotated k, and v, into the
+# pool. attend reads the pool through the step's AttentionMetadata, as decode when every
+# sequence brings one token.
 
 # -- the layers' (the reading path's stop 3: from here to linear) --
 # (AttentionMetadata, in nanoserve's Layers, defines the four tensors by example.)
@@ -772,7 +773,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=hd, BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
-        PDL=USE_PDL, E4M3_PTX=k_cache.dtype == FP8 and q.dtype == torch.bfloat16 and not _INTERPRETED,
+        PDL=USE_PDL,
+        E4M3_PTX=k_cache.dtype == FP8 and q.dtype == torch.bfloat16 and not _INTERPRETED,
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **PDL_LAUNCH,
     )
     return out

@@ -1049,7 +1049,7 @@ def test_stop_string_cuts_tokens_that_arrive_together(smol_llm):
     ids = front.encode(" to the old mill by the", add_special_tokens=False)
     params = ns.SamplingParams(temperature=0, max_tokens=24, stop=["old"], logprobs=0)
     request = front.add([1, 2], params)
-    outs = [ns.EngineCoreOutput(request.request_id, t, logprobs=(-0.5, {t: -0.5})) for t in ids]
+    outs = [ns.DefaultEngineCoreOutput(request.request_id, t, logprobs=(-0.5, {t: -0.5})) for t in ids]
     (state,), stopped = front.process(outs)
     assert stopped == [request.request_id] and state.finish_reason == "stop"
     assert state.text == " to the " and state.token_ids == ids[:3] and len(state.logprobs) == 3
@@ -1092,7 +1092,7 @@ def test_stop_strings_whatever_the_tokens_per_call(smol_llm):
 
     def run(stop, sizes):
         request = front.add([1, 2], ns.SamplingParams(max_tokens=len(ids), stop=stop, logprobs=0))
-        outs = [ns.EngineCoreOutput(request.request_id, t, logprobs=(-i, {t: -i}))
+        outs = [ns.DefaultEngineCoreOutput(request.request_id, t, logprobs=(-i, {t: -i}))
                 for i, t in enumerate(ids)]
         outs[-1].finish_reason = "length"
         start, state = 0, None
@@ -3590,7 +3590,7 @@ PARSER_CASES = {   # format: [(the model's text, finish_reason, content, [(name,
 def parse_stream(fmt, pieces, finish):
     """A chat answer in fmt, its text sent in pieces: (the chunks, the chunks folded into one)."""
     shape = ns._ToolCallShape(None, {}, 0, ns.TOOL_CALL_FORMATS[fmt])   # no fields: no log-probs
-    delta = lambda text, finish=None: ns.Delta(0, text, [1] if text else [], [], finish, None)
+    delta = lambda text, finish=None: ns.Delta(0, text, [1] if text else [], finish)
     chunks = shape.opening(0) + [shape.choice(delta(p)) for p in pieces]
     chunks.append(shape.last(types.SimpleNamespace(text="".join(pieces)), delta("", finish)))
     whole = {}
