@@ -66,6 +66,11 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
 
 What a chapter changes in part one is a whole method it overrides, or a hook torch calls around
 a module's forward; under --part-one, part one's classes run as if the chapters were not there.
+So part one's code has a few seams, each plain in part one: class attributes that name the
+classes an engine is built from (EngineCore.allocator_class and its siblings, FrontEnd.state_class,
+LLM.engine_class); methods split so that one piece can be overridden (ModelRunner._put_input_ids,
+head, draw, copy_to_host); LaunchedStep.host, a list (the tokens alone here); EngineCore.committed
+(a step's outputs as it makes them); and FrontEnd.process's `stopped` (always empty here).
 The exceptions are three names the end of the file rebinds, for --part-one's runs too: two
 chapters wrap a part-one function (speed_line, LLM.run), and SamplingParams comes to mean the
 default engine's, whose fields beyond part one's --part-one refuses.
@@ -320,8 +325,9 @@ def load_weights(model: nn.Module, cfg: Config, tensors):
 # and the SwiGLU MLP. Every layer works on a flat batch of tokens (N_tok, D): sequence boundaries
 # live only in AttentionMetadata. Read each pa.* call by its contract, a torch reference in
 # paged_attention.py's first section. Five matter here: rms_norm_ref (pa.norm), gemv_ref
-# (pa.linear), rope_store_kvcache_ref (rotate q and k, write K/V into the pool), and
-# paged_attention_decode_ref and _prefill_ref (attention over the pool, by _attend_ref).
+# (pa.linear), rope_store_kvcache_ref (rotate q and k, write K/V into the pool; as_stored is x
+# itself but in an fp8 pool), and paged_attention_decode_ref and _prefill_ref (attention over
+# the pool: _gather_kv_ref reads a sequence's K/V, _attend_ref attends over them).
 # pa.linear(x, w, norm=, silu_mul=, residual=, bias=) computes residual + F.linear(f(x), w) +
 # bias, f the norm or SiLU-and-mul, whichever kernel runs. It takes the norm and the residual so
 # that a kernel that reads the weight can do all of it in one pass, so Attention and MLP take
@@ -409,8 +415,8 @@ class Attention(nn.Module):
         qkv = pa.linear(x, self.qkv_proj.weight, norm=norm,
                         bias=self.qkv_proj.bias)           # (N_tok, (n_heads + 2 n_kv) hd) Qwen2
         q, k, v = (t.view(n, -1, self.hd) for t in qkv.split(self.split_sizes, dim=-1))
-        # Rotate q and k by their positions, and write this step's K/V into the
-        # pool first: attention then reads every key, old and new, from one place.
+        # Rotate q (in place) and k by their positions, and write this step's K/V into
+        # the pool first: attention then reads every key, old and new, from one place.
         self.rope_store(q, k, v, self.k_cache, self.v_cache, meta.slot_mapping, positions,
                         rope.cos, rope.sin, self.q_norm, self.k_norm)
         o = self.attend(q, self.k_cache, self.v_cache, meta, self.scale)  # (N_tok, n_heads, hd)
@@ -489,8 +495,9 @@ def build_model(cfg: Config, tensors=None) -> Model:
 # its own settings, so one request's choices never change another's. A seeded row draws its noise
 # from its own generator, seeded anew for each token by the request's seed and the token's
 # position (ModelRunner.sampling_batch hashes the two). So a draw depends on nothing else: not
-# the batch, nor which steps ran before. No step waits for the host (no sync; but the torch
-# references of attention, on CUDA, do: they are the tests' contracts, not a path to run).
+# the batch, nor which steps ran before. Sampling never makes the host wait for the device (no
+# sync; the torch references of attention do, on CUDA: they are the tests' contracts, not a path
+# to run). A step's one wait is EngineCore._read_back's.
 
 @dataclass
 class SamplingParams:
@@ -707,8 +714,9 @@ class Scheduler:
 # Turns a scheduled batch into flat tensors, runs the model and samples. Each step copies its
 # inputs into static buffers (self.buffers), allocated once at their largest, and the forward pass
 # reads them there: the forward pass's inputs take no new device memory, and always sit at the
-# same addresses. The calls, per step: launch -> prepare (_flatten the batch into host lists, then
-# put_step them into the buffers) -> forward -> head (the LM head's logits); then sample -> draw
+# same addresses. The calls, per step: launch -> prepare (_flatten the batch into host lists;
+# _put_input_ids and put_step copy them into the buffers) -> forward -> head (the LM head's
+# logits); then sample -> draw
 # -> copy_to_host, which EngineCore._read_back waits for. Before any step, __init__ sizes the KV
 # pool (allocate_kv_cache: on the GPU, what profile_peak_bytes leaves).
 # Three CUDA words. Pinned memory is host memory the GPU can copy to and from directly. A
@@ -802,10 +810,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def profile_peak_bytes(self) -> int:
-        """The peak of GPU memory allocated (the weights, the buffers and the largest step's
-        activations), measured by running that step once on a dummy batch of its tokens
-        (max_num_batched_tokens, or what max_num_seqs sequences of max_model_len hold if that is
-        fewer), plus room for the sampler's sort."""
+        """(The GPU's sizing: skip it on a first reading.) The peak of GPU memory allocated (the
+        weights, the buffers and the largest step's activations), measured by running that step
+        once on a dummy batch of its tokens (max_num_batched_tokens, or what max_num_seqs
+        sequences of max_model_len hold if that is fewer), plus room for the sampler's sort."""
         cfg, L = self.cfg, self.cfg.max_model_len
         n = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * L)   # the largest step's tokens
         seqs = [Sequence("profile", [0] * min(L, n - i), SamplingParams()) for i in range(0, n, L)]
@@ -1305,8 +1313,9 @@ class LLM:
 #   1. OpenAIServer.chat, the handler (event loop): read_fields checks the body, _encode
 #      tokenizes in a worker thread, and sampling_params makes n SamplingParams. _respond checks
 #      each choice (FrontEnd.validate) and returns a StreamingResponse over shape.stream.
-#   2. The StreamingResponse (event loop) pulls the first event. EngineCoreClient.generate
-#      tracks each choice in the front end (FrontEnd.add) and puts them in `outgoing`.
+#   2. The StreamingResponse (event loop) pulls events. A chat stream's role chunk comes first
+#      (_ChatShape.opening); the next pull starts EngineCoreClient.generate, which tracks each
+#      choice in the front end (FrontEnd.add) and puts them in `outgoing`.
 #   3. _run (the engine core's thread) takes them, steps, and hands each step's outputs to the
 #      event loop (call_soon_threadsafe).
 #   4. _deliver (event loop): FrontEnd.process, then each changed RequestState onto its queue.
@@ -1402,8 +1411,8 @@ class EngineCoreClient:
     async def generate(self, requests: list):
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
         RequestState at each change until all finish. However the caller stops (done, client
-        gone, error), `finally` aborts what still runs: its KV blocks free at the next step. An
-        async generator, it runs nothing until its caller pulls the first state."""
+        gone, error), `finally` aborts what still runs: its KV blocks free before the next step.
+        An async generator, it runs nothing until its caller pulls the first state."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i, queue=changed)
                     for i, (ids, p) in enumerate(requests)]
@@ -2256,10 +2265,11 @@ class IncrementalFrontEnd(FrontEnd):
     def _detokenize(self, states: list):
         """Part one's text, made by appending each request's newly completed text, all requests
         in one batched decode. The shown tokens [prefix_offset, read_offset) are decoded again
-        as context, then with the new ones. Say tokens 0-4 are shown (offsets 3, 5), and 5-6 arrive. decode(3:5) = "ab" and
-        decode(3:) = "abcd", so "cd" is added, and the offsets become 5, 7. Text that ends in
-        U+FFFD (half a character) is added up to it, and the offsets wait for the token that
-        ends it (num_read_chars: len(text) when they last moved). At the end, all is added."""
+        as context, then with the new ones. Say tokens 0-4 are shown (offsets 3, 5), and 5-6
+        arrive. decode(3:5) = "ab" and decode(3:) = "abcd", so "cd" is added, and the offsets
+        become 5, 7. Text that ends in U+FFFD (half a character) is added up to it, and the
+        offsets wait for the token that ends it (num_read_chars: len(text) when they last
+        moved). At the end, all is added."""
         if self.tokenizer is None or not states:
             return
         windows = [w for s in states for w in (s.token_ids[s.prefix_offset:s.read_offset],
@@ -2518,7 +2528,8 @@ class PrefixCachingFrontEnd(FrontEnd):
     def process(self, outputs: list) -> tuple[list, list]:
         """Part one's, and each request's count of prompt tokens found in the pool."""
         for out in outputs:
-            if out.finish_reason != "error" and (state := self.states.get(out.request_id)):
+            if out.finish_reason != "error" and out.num_cached_tokens and \
+                    (state := self.states.get(out.request_id)) is not None:
                 state.num_cached_tokens = out.num_cached_tokens
         return super().process(outputs)
 
@@ -2898,12 +2909,15 @@ class LogprobsFrontEnd(FrontEnd):
     def process(self, outputs: list) -> tuple[list, list]:
         """Part one's, and the log-probs of each token, and of a first token's prompt. Those of
         tokens a stop string cut (StopStringFrontEnd, which runs inside this) are cut too."""
+        asked = []                   # the states given log-probs (most outputs carry none)
         for out in outputs:
-            if out.finish_reason != "error" and (state := self.states.get(out.request_id)):
+            if out.finish_reason != "error" and (out.logprobs or out.prompt_logprobs) and \
+                    (state := self.states.get(out.request_id)) is not None:
                 state.prompt_logprobs = state.prompt_logprobs or out.prompt_logprobs
                 state.logprobs += [out.logprobs] if out.logprobs else []
+                asked.append(state)
         states, stopped = super().process(outputs)
-        for state in states:
+        for state in asked:
             del state.logprobs[len(state.token_ids):]
         return states, stopped
 
@@ -4240,8 +4254,9 @@ class _EventStream:
     """A stream's response at raw ASGI, for speed: each event goes out in one `send` as it comes.
     Starlette's StreamingResponse runs the writing in a task group of its own (under uvicorn's
     ASGI spec 2.3); at a burst of 400 streams this served about 6% more tokens a second than it,
-    in one GPU lease (README's Speed section). Here a task of its own listens for the client leaving, then cancels the
-    writing, whose CancelledError closes the events: their `finally` (the abort) runs at once."""
+    in one GPU lease (README's Speed section). Here a task of its own listens for the client
+    leaving, then cancels the writing, whose CancelledError closes the events: their `finally`
+    (the abort) runs at once."""
     headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]  # nginx: unbuffered
 

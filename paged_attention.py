@@ -138,7 +138,7 @@ def rope_store_kvcache_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, c
 def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, out=None):
     out = torch.empty_like(q) if out is None else out
     for b, L in enumerate(context_lens.tolist()):
-        if L == 0:  # padding row of a CUDA-graph batch
+        if L == 0:  # a padding row (a batch padded to a fixed size)
             out[b] = 0
             continue
         k, v = (_gather_kv_ref(cache, block_tables[b], L) for cache in (k_cache, v_cache))
