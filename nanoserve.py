@@ -1412,7 +1412,8 @@ class EngineCoreClient:
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
         RequestState at each change until all finish. However the caller stops (done, client
         gone, error), `finally` aborts what still runs: its KV blocks free before the next step.
-        An async generator, it runs nothing until its caller pulls the first state."""
+        An async generator, it runs nothing until its caller pulls the first state. The caller
+        takes each state's Delta before it awaits: a state that changes meanwhile comes again."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i, queue=changed)
                     for i, (ids, p) in enumerate(requests)]
@@ -1599,13 +1600,15 @@ def _fold(whole: dict, chunk: dict):
 # -- the server: its routes, and a request's way through them --
 async def _until_gone(states, request: Request):
     """A body's states, until its client hangs up. Uvicorn does not cancel a handler whose client
-    left (as a StreamingResponse cancels its stream), so each state asks first. Closing this
-    closes `states`, whose `finally` aborts what still runs (EngineCoreClient.generate)."""
+    left (as a StreamingResponse cancels its stream), so after each state it asks. After: the
+    caller takes a state's Delta before this awaits, or a state that finished meanwhile would
+    come again, and its finish_reason twice. Closing this closes `states`, whose `finally`
+    aborts what still runs (EngineCoreClient.generate)."""
     async with contextlib.aclosing(states):
         async for state in states:
+            yield state
             if await request.is_disconnected():
                 raise APIError(499, "the client closed the connection")
-            yield state
 
 class OpenAIServer:
     """The routes over one EngineCoreClient; its handlers run on the server's event loop."""

@@ -2733,6 +2733,29 @@ def test_abort_non_streamed_on_disconnect(server):
     wait_idle(server)
 
 
+def test_a_body_sends_one_finish_when_its_state_finishes_during_the_disconnect_check():
+    """A state that finishes while the body asks whether its client left is queued again: the
+    body still folds one finish_reason ("lengthlength" before _until_gone asked after the take)."""
+    state = ns.RequestState("r", [1], ns.SamplingParams(), incremental=True)
+    state.token_ids, state.text = [7], "a"
+
+    async def states():                    # what generate yields: the state, changed, finished
+        yield state
+        yield state
+
+    class Request:                         # the step that finishes the state runs while it asks
+        async def is_disconnected(self):
+            if state.finish_reason is None:
+                state.token_ids, state.text, state.finish_reason = [7, 8], "ab", "length"
+            return False
+
+    shape = ns._ChatShape(types.SimpleNamespace(model_name="m"), {}, 1)
+    body = asyncio.run(shape.body(shape.chunks(ns._until_gone(states(), Request()), 1)))
+    [choice] = body["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("ab", "length"), choice
+    assert body["usage"]["completion_tokens"] == 2
+
+
 # -- errors --
 
 BAD_COMPLETIONS = [
