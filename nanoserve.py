@@ -1308,8 +1308,9 @@ class LLM:
 # Server
 # An OpenAI-compatible HTTP API on Starlette. OpenAI's terms: a choice is one of the n answers a
 # request asks for, a chunk is one piece of a streamed answer, and usage counts a request's
-# prompt and completion tokens. The code comes bottom-up: the engine core's client, the response
-# shapes, then the server that uses both. One streamed chat request, each step with who runs it:
+# prompt and completion tokens. The code comes top-down: the server's handlers, the response
+# shapes they build, then the engine core's client they run choices on. One streamed chat
+# request, each step with who runs it:
 #   1. OpenAIServer.chat, the handler (event loop): read_fields checks the body, _encode
 #      tokenizes in a worker thread, and sampling_params makes n SamplingParams. _respond checks
 #      each choice (FrontEnd.validate) and returns a StreamingResponse over shape.stream.
@@ -1321,139 +1322,24 @@ class LLM:
 #   4. _deliver (event loop): FrontEnd.process, then each changed RequestState onto its queue.
 #   5. generate yields the state. shape.chunks turns its new part (a Delta) into chunks, and
 #      shape.stream writes each as an SSE event. Steps 3-5 repeat until every choice ends.
-# Without "stream", shape.body folds the same chunks into one response (_fold). With n = 2, two
-# choices run, two RequestStates share one queue, and each chunk names its choice's index.
-# A client that leaves is told above EngineCoreClient.generate; a stream's events, by example,
-# above _ChatShape.
-
-# -- the engine core's client: choices out, their states back, on the event loop --
-class EngineCoreClient:
-    """The server's handle on the engine core, which steps in a thread of its own (_run). generate
-    sends a request's choices into `outgoing` and yields their states as they change. _deliver,
-    on the event loop, hands each step's outputs to their requests' queues. It knows no HTTP: a
-    failed request ends with finish_reason "error"."""
-    # the default engine's front end and server (an OpenAIServer), set at the end of the file
-    front_class, server_class = FrontEnd, None
-
-    def __init__(self, cfg: Config):
-        self.outgoing = queue.SimpleQueue()  # to the engine core: lists of requests or aborts
-        self.error = ""                      # why the engine core is gone (an error ends it)
-        num_blocks = self.start_engine_core(cfg)
-        front_class = FrontEnd if cfg.part_one else self.front_class
-        self.front = front_class(cfg, num_blocks)      # the pool bounds a request
-
-    def start_engine_core(self, cfg: Config) -> int:
-        """Build the engine core, here; return its pool's size in blocks."""
-        self.engine = EngineCore(cfg)
-        return self.engine.allocator.num_blocks
-
-    stats = property(lambda self: self.engine.stats())
-
-    def start(self, loop: asyncio.AbstractEventLoop):
-        """With the event loop (the app's lifespan): start stepping."""
-        self.thread = threading.Thread(target=self._run, args=(loop,), name="engine-core")
-        self.thread.start()
-
-    def shutdown(self):
-        self.outgoing.put(None)                  # _run ends there: what is queued is dropped
-        if getattr(self, "thread", None):
-            self.thread.join()
-
-    def _run(self, loop: asyncio.AbstractEventLoop):
-        """The engine core's thread: take what the server sent (block only when idle), step,
-        and hand the step's outputs to the event loop, until `None` comes (shutdown). A step's
-        fault ends every request the engine holds (_step). Any other fault ends the thread, and
-        with it the engine: `error` says why, and every request in flight ends with it
-        (fail_all)."""
-        try:
-            while True:
-                items = [] if self.engine.has_unfinished() else [self.outgoing.get()]
-                while not self.outgoing.empty():
-                    items.append(self.outgoing.get())
-                if None in items:
-                    return
-                for item in (item for message in items for item in message):  # in the order sent
-                    if isinstance(item, EngineCoreAbort):
-                        self.engine.abort_request(item.request_id)
-                    else:
-                        self.engine.add_request(item)
-                if self.engine.has_unfinished():
-                    loop.call_soon_threadsafe(self._deliver, self._step())
-        except Exception as e:
-            traceback.print_exc()
-            self.error = f"the engine core stopped: {e!r}"
-            loop.call_soon_threadsafe(self.fail_all)
-
-    def _step(self) -> list:
-        """One step's outputs. A step that raises ends every request in error, not the server.
-        The outputs it made before the fault come first: a request they finished has left
-        engine.seqs, and would get no answer else."""
-        try:
-            return self.engine.step()
-        except Exception as e:
-            traceback.print_exc()
-            made, self.engine.committed = self.engine.committed, []
-            failed = list(self.engine.seqs)
-            for request_id in failed:
-                self.engine.abort_request(request_id)
-            return made + [EngineCoreOutput(request_id, None, finish_reason="error",
-                                            error=f"the engine failed: {e!r}")
-                           for request_id in failed]
-
-    # A client that leaves mid-stream: Starlette's StreamingResponse cancels the writing (under
-    # uvicorn's ASGI spec 2.3, a task of its own listens for the client's disconnect). The
-    # CancelledError rises where the writing waits, most often at generate's queue, through
-    # shape.chunks and shape.stream; at a send to a slow client, the generators close a moment
-    # later, as asyncio finalizes them. generate's `finally` queues the aborts (_abort), _run
-    # applies them before its next step (abort_request), and Scheduler.finish frees the blocks.
-    # No one cancels a body's handler, so it asks at each state whether its client is gone
-    # (_until_gone).
-    async def generate(self, requests: list):
-        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
-        RequestState at each change until all finish. However the caller stops (done, client
-        gone, error), `finally` aborts what still runs: its KV blocks free before the next step.
-        An async generator, it runs nothing until its caller pulls the first state. The caller
-        takes each state's Delta before it awaits: a state that changes meanwhile comes again."""
-        changed = asyncio.Queue()                         # RequestStates of this request's choices
-        requests = [self.front.add(ids, p, index=i, queue=changed)
-                    for i, (ids, p) in enumerate(requests)]
-        unfinished = {r.request_id for r in requests}
-        try:
-            if self.error:                          # gone since the handler checked
-                self.fail_all()
-            self.outgoing.put(requests)
-            while unfinished:
-                state = await changed.get()
-                if state.request_id in unfinished:  # else a late repeat of a finished one
-                    if state.finish_reason is not None:
-                        unfinished.discard(state.request_id)
-                    yield state
-        finally:
-            for request_id in unfinished:
-                self.front.states.pop(request_id, None)
-            self._abort(list(unfinished))
-
-    def fail_all(self):
-        """On the event loop, once the engine core is gone: every request in flight ends in
-        error, with `error`."""
-        for state in self.front.states.values():
-            state.finish_reason, state.error = "error", self.error
-            state.queue.put_nowait(state)
-        self.front.states.clear()
-
-    def _abort(self, request_ids: list):
-        if request_ids and not self.error:
-            self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
-
-    def _deliver(self, outputs: list) -> list:
-        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues.
-        Returns the requests' states it handed on."""
-        states, stopped = self.front.process(outputs)
-        self._abort(stopped)
-        for state in states:
-            state.queue.put_nowait(state)
-        return states
-
+# A stream's events, by example, are above _ChatShape.
+#
+# One /v1/completions request with n = 2 and no "stream": sampling_params makes two
+# SamplingParams (seeds seed and seed + 1), and _respond pairs the prompt with each: choices 0
+# and 1. generate sends both in one list, and their two RequestStates share one queue, so the
+# states come interleaved, each with its choice's index. shape.body pulls them through
+# _until_gone and shape.chunks, and folds each chunk into the whole of its choice (_fold): text
+# joins, the finish_reason comes once. The body goes out when both choices have finished.
+#
+# A client that leaves:
+#   streamed      Starlette's StreamingResponse cancels the writing. The CancelledError rises
+#                 where it waits (most often at generate's queue), through shape.stream and
+#                 shape.chunks, and closes each generator on the way.
+#   not streamed  No one cancels a handler: _until_gone asks after each state, and raises a 499
+#                 that closes the generators the same way.
+#   then          generate's `finally` drops the unfinished choices from the front end and
+#                 queues their aborts (_abort). _run applies them before its next step
+#                 (EngineCore.abort_request), and Scheduler.finish frees their blocks.
 
 class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -1463,153 +1349,7 @@ class APIError(Exception):
         self.status = status
         self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
 
-# -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
-_to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
-
-# Server-sent events: a stream of `data: ...` lines, each event ended by a blank line. Starlette's
-# StreamingResponse sends each as it comes, and when the client leaves it cancels the stream:
-# the cancellation runs the `finally` of every generator on the way (client.generate's aborts).
-_SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-                "x-accel-buffering": "no"}             # nginx: unbuffered
-
-def _sse(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
-class _Shape:
-    """A response of any endpoint: its id, envelopes and chunks. f: the request's fields."""
-    id_prefix, object, chunk_object = "", "", ""
-
-    def __init__(self, server, f: dict, num_prompt_tokens: int):
-        self.server, self.f = server, f
-        self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
-        self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
-
-    def opening(self, i: int) -> list:
-        """The chunks a stream opens choice i with."""
-        return []
-
-    def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
-        body = {"id": self.id, "object": object, "created": self.created,
-                "model": self.server.model_name, "choices": choices}
-        n, m = self.num_prompt_tokens, self.num_completion_tokens
-        return {**body, "usage": {"prompt_tokens": n, "completion_tokens": m,
-                                  "total_tokens": n + m}} if usage else body
-
-    async def chunks(self, states, n: int):
-        """The choices to send: the openings, then those of each Delta (delta_chunks)."""
-        async with contextlib.aclosing(states):
-            for choice in [c for i in range(n) for c in self.opening(i)]:
-                yield choice
-            async for state in states:
-                d = state.take_delta()
-                if d.finish_reason == "error":
-                    raise APIError(500, state.error, "internal_error")
-                self.num_completion_tokens += len(d.token_ids)
-                for choice in self.delta_chunks(state, d):
-                    yield choice
-
-    def delta_chunks(self, state: RequestState, d: Delta) -> list:
-        """One Delta's chunks: its new text, if any (the finish_reason is the last chunk's to
-        say), then at the end the last chunk."""
-        news = [self.choice(d) | {"finish_reason": None}] if d.text else []
-        return news + ([self.last(state, d)] if d.finish_reason is not None else [])
-
-    def last(self, state: RequestState, d: Delta) -> dict:
-        """The chunk that carries the finish_reason."""
-        return self.choice(dataclasses.replace(d, text="", token_ids=[]))
-
-    async def stream(self, chunks, include_usage: bool):
-        """OpenAI's stream, as server-sent events (_sse): each chunk's JSON, then `[DONE]`. An
-        error after the first byte is an event too: the status line is gone."""
-        head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
-        async with contextlib.aclosing(chunks):
-            try:
-                async for choice in chunks:
-                    yield _sse(f"{head}{_to_json(choice)}]}}")
-                if include_usage:
-                    yield _sse(_to_json(self.envelope(self.chunk_object, [], usage=True)))
-            except Exception as e:            # an APIError as it is; a bug logged, in one line
-                if not isinstance(e, APIError):
-                    traceback.print_exc()
-                    e = APIError(500, f"internal error: {e!r}", "internal_error")
-                yield _sse(_to_json(e.body))
-        yield _sse("[DONE]")
-
-    async def body(self, chunks) -> dict:
-        """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
-        the whole "message"."""
-        choices = {}                                       # index -> the whole choice so far
-        async with contextlib.aclosing(chunks):
-            async for choice in chunks:
-                self.fold(choices.setdefault(choice["index"], {}), choice)
-        for c in choices.values():
-            if "delta" in c:
-                c["message"] = c.pop("delta")
-        return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
-
-    def fold(self, whole: dict, chunk: dict):
-        """Join a chunk into the whole of its choice (_fold)."""
-        _fold(whole, chunk)
-
-class _CompletionShape(_Shape):
-    """The legacy completions shape: a choice's text."""
-    id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
-
-    def choice(self, d: Delta) -> dict:
-        return {"index": d.index, "text": d.text, "logprobs": None,
-                "finish_reason": d.finish_reason}
-
-# What a client sees of a chat request with "stream": true, an SSE event a line (id, created,
-# model and "logprobs": null left out):
-#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
-#            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
-#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
-#            "delta": {"content": "Paris"}, "finish_reason": null}]}
-#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {},
-#            "finish_reason": "stop"}]}
-#     data: [DONE]
-# Without "stream", the same chunks fold into one body: {"object": "chat.completion", "choices":
-# [{"index": 0, "message": {"role": "assistant", "content": "Paris"}, "finish_reason": "stop"}],
-# "usage": {...}}. A completions request's choices carry "text" instead of "delta" or "message".
-
-class _ChatShape(_Shape):
-    """The chat shape: a stream sends a choice's role, then its deltas, then its finish_reason."""
-    id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
-
-    def opening(self, i: int) -> list:
-        return [{"index": i, "delta": {"role": "assistant", "content": ""},
-                 "logprobs": None, "finish_reason": None}]
-
-    def choice(self, d: Delta) -> dict:
-        return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
-                "logprobs": None, "finish_reason": d.finish_reason}
-
-def _fold(whole: dict, chunk: dict):
-    """Fold a chunk into the whole, key by key. Strings and lists concatenate, and objects fold
-    alike. Other values replace the old, but null never."""
-    for key, value in chunk.items():
-        old = whole.get(key)
-        if isinstance(value, dict) and isinstance(old, dict):
-            _fold(old, value)
-        elif isinstance(value, (str, list)) and old is not None:
-            whole[key] = old + value
-        elif value is not None or key not in whole:
-            whole[key] = value
-
 # -- the server: its routes, and a request's way through them --
-async def _until_gone(states, request: Request):
-    """A body's states, until its client hangs up. Uvicorn does not cancel a handler whose client
-    left (as a StreamingResponse cancels its stream), so after each state it asks. After: the
-    caller takes a state's Delta before this awaits, or a state that finished meanwhile would
-    come again, and its finish_reason twice. Closing this closes `states`, whose `finally`
-    aborts what still runs (EngineCoreClient.generate)."""
-    async with contextlib.aclosing(states):
-        async for state in states:
-            yield state
-            if await request.is_disconnected():
-                raise APIError(499, "the client closed the connection")
-
 class OpenAIServer:
     """The routes over one EngineCoreClient; its handlers run on the server's event loop."""
     # The fields each endpoint reads, with the JSON type each must have (a number: int or float).
@@ -1756,6 +1496,276 @@ class OpenAIServer:
             return self.stream_response(shape.stream(chunks, include_usage))
         return JSONResponse(await shape.body(shape.chunks(_until_gone(states, request),
                                                           len(choices))))
+
+async def _until_gone(states, request: Request):
+    """A body's states, until its client hangs up. Uvicorn does not cancel a handler whose client
+    left (as a StreamingResponse cancels its stream), so after each state it asks. After: the
+    caller takes a state's Delta before this awaits, or a state that finished meanwhile would
+    come again, and its finish_reason twice. Closing this closes `states`, whose `finally`
+    aborts what still runs (EngineCoreClient.generate)."""
+    async with contextlib.aclosing(states):
+        async for state in states:
+            yield state
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection")
+
+# -- response shapes: a stream sends a chunk per Delta; a whole response folds them into one --
+_to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(x, keyword) builds one a call
+
+# Server-sent events: a stream of `data: ...` lines, each event ended by a blank line. Starlette's
+# StreamingResponse sends each as it comes, and when the client leaves it cancels the stream:
+# the cancellation runs the `finally` of every generator on the way (client.generate's aborts).
+_SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+                "x-accel-buffering": "no"}             # nginx: unbuffered
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+class _Shape:
+    """A response of any endpoint: its id, envelopes and chunks. f: the request's fields. In the
+    order a response calls them: chunks (opening each choice, then per Delta delta_chunks, which
+    makes choice's chunk and at the end last's), then stream (SSE events) or body (fold). Each
+    piece is a method of its own, so a shape (an endpoint) changes only the one it needs."""
+    id_prefix, object, chunk_object = "", "", ""
+
+    def __init__(self, server, f: dict, num_prompt_tokens: int):
+        self.server, self.f = server, f
+        self.id, self.created = self.id_prefix + uuid.uuid4().hex, int(time.time())
+        self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, 0
+
+    def opening(self, i: int) -> list:
+        """The chunks a stream opens choice i with."""
+        return []
+
+    def envelope(self, object: str, choices: list, usage: bool = False) -> dict:
+        body = {"id": self.id, "object": object, "created": self.created,
+                "model": self.server.model_name, "choices": choices}
+        n, m = self.num_prompt_tokens, self.num_completion_tokens
+        return {**body, "usage": {"prompt_tokens": n, "completion_tokens": m,
+                                  "total_tokens": n + m}} if usage else body
+
+    async def chunks(self, states, n: int):
+        """The choices to send: the openings, then those of each Delta (delta_chunks)."""
+        async with contextlib.aclosing(states):
+            for choice in [c for i in range(n) for c in self.opening(i)]:
+                yield choice
+            async for state in states:
+                d = state.take_delta()
+                if d.finish_reason == "error":
+                    raise APIError(500, state.error, "internal_error")
+                self.num_completion_tokens += len(d.token_ids)
+                for choice in self.delta_chunks(state, d):
+                    yield choice
+
+    def delta_chunks(self, state: RequestState, d: Delta) -> list:
+        """One Delta's chunks: its new text, if any (the finish_reason is the last chunk's to
+        say), then at the end the last chunk."""
+        news = [self.choice(d) | {"finish_reason": None}] if d.text else []
+        return news + ([self.last(state, d)] if d.finish_reason is not None else [])
+
+    def last(self, state: RequestState, d: Delta) -> dict:
+        """The chunk that carries the finish_reason."""
+        return self.choice(dataclasses.replace(d, text="", token_ids=[]))
+
+    async def stream(self, chunks, include_usage: bool):
+        """OpenAI's stream, as server-sent events (_sse): each chunk's JSON, then `[DONE]`. An
+        error after the first byte is an event too: the status line is gone."""
+        head = _to_json(self.envelope(self.chunk_object, []))[:-2]   # up to `"choices": [`
+        async with contextlib.aclosing(chunks):
+            try:
+                async for choice in chunks:
+                    yield _sse(f"{head}{_to_json(choice)}]}}")
+                if include_usage:
+                    yield _sse(_to_json(self.envelope(self.chunk_object, [], usage=True)))
+            except Exception as e:            # an APIError as it is; a bug logged, in one line
+                if not isinstance(e, APIError):
+                    traceback.print_exc()
+                    e = APIError(500, f"internal error: {e!r}", "internal_error")
+                yield _sse(_to_json(e.body))
+        yield _sse("[DONE]")
+
+    async def body(self, chunks) -> dict:
+        """A non-streamed response: each choice's chunks joined (_fold), a stream's "delta" then
+        the whole "message"."""
+        choices = {}                                       # index -> the whole choice so far
+        async with contextlib.aclosing(chunks):
+            async for choice in chunks:
+                self.fold(choices.setdefault(choice["index"], {}), choice)
+        for c in choices.values():
+            if "delta" in c:
+                c["message"] = c.pop("delta")
+        return self.envelope(self.object, [choices[i] for i in sorted(choices)], usage=True)
+
+    def fold(self, whole: dict, chunk: dict):
+        """Join a chunk into the whole of its choice (_fold)."""
+        _fold(whole, chunk)
+
+class _CompletionShape(_Shape):
+    """The legacy completions shape: a choice's text."""
+    id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+
+    def choice(self, d: Delta) -> dict:
+        return {"index": d.index, "text": d.text, "logprobs": None,
+                "finish_reason": d.finish_reason}
+
+# What a client sees of a chat request with "stream": true, an SSE event a line (id, created,
+# model and "logprobs": null left out):
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
+#            "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0,
+#            "delta": {"content": "Paris"}, "finish_reason": null}]}
+#     data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {},
+#            "finish_reason": "stop"}]}
+#     data: [DONE]
+# Without "stream", the same chunks fold into one body: {"object": "chat.completion", "choices":
+# [{"index": 0, "message": {"role": "assistant", "content": "Paris"}, "finish_reason": "stop"}],
+# "usage": {...}}. A completions request's choices carry "text" instead of "delta" or "message".
+
+class _ChatShape(_Shape):
+    """The chat shape: a stream sends a choice's role, then its deltas, then its finish_reason."""
+    id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def opening(self, i: int) -> list:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""},
+                 "logprobs": None, "finish_reason": None}]
+
+    def choice(self, d: Delta) -> dict:
+        return {"index": d.index, "delta": {"content": d.text} if d.token_ids else {},
+                "logprobs": None, "finish_reason": d.finish_reason}
+
+def _fold(whole: dict, chunk: dict):
+    """Fold a chunk into the whole, key by key. Strings and lists concatenate, and objects fold
+    alike. Other values replace the old, but null never."""
+    for key, value in chunk.items():
+        old = whole.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            _fold(old, value)
+        elif isinstance(value, (str, list)) and old is not None:
+            whole[key] = old + value
+        elif value is not None or key not in whole:
+            whole[key] = value
+
+# -- the engine core's client: choices out, their states back, on the event loop --
+class EngineCoreClient:
+    """The server's handle on the engine core, which steps in a thread of its own (_run). generate
+    sends a request's choices into `outgoing` and yields their states as they change. _deliver,
+    on the event loop, hands each step's outputs to their requests' queues. It knows no HTTP: a
+    failed request ends with finish_reason "error"."""
+    # the default engine's front end and server (an OpenAIServer), set at the end of the file
+    front_class, server_class = FrontEnd, None
+
+    def __init__(self, cfg: Config):
+        self.outgoing = queue.SimpleQueue()  # to the engine core: lists of requests or aborts
+        self.error = ""                      # why the engine core is gone (an error ends it)
+        num_blocks = self.start_engine_core(cfg)
+        front_class = FrontEnd if cfg.part_one else self.front_class
+        self.front = front_class(cfg, num_blocks)      # the pool bounds a request
+
+    def start_engine_core(self, cfg: Config) -> int:
+        """Build the engine core, here; return its pool's size in blocks."""
+        self.engine = EngineCore(cfg)
+        return self.engine.allocator.num_blocks
+
+    stats = property(lambda self: self.engine.stats())
+
+    def start(self, loop: asyncio.AbstractEventLoop):
+        """With the event loop (the app's lifespan): start stepping."""
+        self.thread = threading.Thread(target=self._run, args=(loop,), name="engine-core")
+        self.thread.start()
+
+    def shutdown(self):
+        self.outgoing.put(None)                  # _run ends there: what is queued is dropped
+        if getattr(self, "thread", None):
+            self.thread.join()
+
+    def _run(self, loop: asyncio.AbstractEventLoop):
+        """The engine core's thread: take what the server sent (block only when idle), step,
+        and hand the step's outputs to the event loop, until `None` comes (shutdown). A step's
+        fault ends every request the engine holds (_step). Any other fault ends the thread, and
+        with it the engine: `error` says why, and every request in flight ends with it
+        (fail_all)."""
+        try:
+            while True:
+                items = [] if self.engine.has_unfinished() else [self.outgoing.get()]
+                while not self.outgoing.empty():
+                    items.append(self.outgoing.get())
+                if None in items:
+                    return
+                for item in (item for message in items for item in message):  # in the order sent
+                    if isinstance(item, EngineCoreAbort):
+                        self.engine.abort_request(item.request_id)
+                    else:
+                        self.engine.add_request(item)
+                if self.engine.has_unfinished():
+                    loop.call_soon_threadsafe(self._deliver, self._step())
+        except Exception as e:
+            traceback.print_exc()
+            self.error = f"the engine core stopped: {e!r}"
+            loop.call_soon_threadsafe(self.fail_all)
+
+    def _step(self) -> list:
+        """One step's outputs. A step that raises ends every request in error, not the server.
+        The outputs it made before the fault come first: a request they finished has left
+        engine.seqs, and would get no answer else."""
+        try:
+            return self.engine.step()
+        except Exception as e:
+            traceback.print_exc()
+            made, self.engine.committed = self.engine.committed, []
+            failed = list(self.engine.seqs)
+            for request_id in failed:
+                self.engine.abort_request(request_id)
+            return made + [EngineCoreOutput(request_id, None, finish_reason="error",
+                                            error=f"the engine failed: {e!r}")
+                           for request_id in failed]
+
+    # (A client that leaves: the table at the top of this section.)
+    async def generate(self, requests: list):
+        """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
+        RequestState at each change until all finish. However the caller stops (done, client
+        gone, error), `finally` aborts what still runs: its KV blocks free before the next step.
+        An async generator, it runs nothing until its caller pulls the first state. The caller
+        takes each state's Delta before it awaits: a state that changes meanwhile comes again."""
+        changed = asyncio.Queue()                         # RequestStates of this request's choices
+        requests = [self.front.add(ids, p, index=i, queue=changed)
+                    for i, (ids, p) in enumerate(requests)]
+        unfinished = {r.request_id for r in requests}
+        try:
+            if self.error:                          # gone since the handler checked
+                self.fail_all()
+            self.outgoing.put(requests)
+            while unfinished:
+                state = await changed.get()
+                if state.request_id in unfinished:  # else a late repeat of a finished one
+                    if state.finish_reason is not None:
+                        unfinished.discard(state.request_id)
+                    yield state
+        finally:
+            for request_id in unfinished:
+                self.front.states.pop(request_id, None)
+            self._abort(list(unfinished))
+
+    def fail_all(self):
+        """On the event loop, once the engine core is gone: every request in flight ends in
+        error, with `error`."""
+        for state in self.front.states.values():
+            state.finish_reason, state.error = "error", self.error
+            state.queue.put_nowait(state)
+        self.front.states.clear()
+
+    def _abort(self, request_ids: list):
+        if request_ids and not self.error:
+            self.outgoing.put([EngineCoreAbort(request_id) for request_id in request_ids])
+
+    def _deliver(self, outputs: list) -> list:
+        """On the event loop: steps' outputs through the FrontEnd, out to the requests' queues.
+        Returns the requests' states it handed on."""
+        states, stopped = self.front.process(outputs)
+        self._abort(stopped)
+        for state in states:
+            state.queue.put_nowait(state)
+        return states
 
 # -- the app --
 def build_app(client: EngineCoreClient, cfg: Config) -> Starlette:
