@@ -43,6 +43,7 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
                                                                            RequestState, FrontEnd
     prefix caching              blocks shared by prompts that begin alike  BlockAllocator, Sequence,
                                                                            Scheduler, EngineCore,
+                                                                           EngineCoreOutput,
                                                                            RequestState, FrontEnd
     the burst rule              decodes wait at a burst of prompts         Scheduler
     speculative decoding        drafts by prompt lookup, checked at once   Sequence, Scheduler,
@@ -50,6 +51,7 @@ engine is assembled from them at the end of the file, where main, the CLI's entr
                                                                            speed_line
     log-probs and logit edits   log-probs; logit_bias and penalties        SamplingParams, FrontEnd,
                                                                            RequestState, Delta,
+                                                                           EngineCoreOutput,
                                                                            OpenAIServer, Sequence,
                                                                            ModelRunner, EngineCore
     structured output           grammars and tool calls                    SamplingParams, FrontEnd,
@@ -332,7 +334,12 @@ def load_weights(model: nn.Module, cfg: Config, tensors):
 # bias, f the norm or SiLU-and-mul, whichever kernel runs. It takes the norm and the residual so
 # that a kernel that reads the weight can do all of it in one pass, so Attention and MLP take
 # their block's norm and residual. pa.ATTENTION, at that file's end, gives each attention's
-# rope_store, and an attend that runs the decode function when meta.is_decode, else the prefill.
+# rope_store, and an attend that runs the decode function when meta.is_decode, else the prefill:
+#     cfg.attention   rope_store                     attend (decode, prefill)
+#     "triton"        rope_store_kvcache (a kernel)  paged_attention_decode, _prefill (kernels)
+#     "sdpa" (CPU)    rope_store_kvcache_ref         paged_attention_decode_sdpa, _prefill_sdpa
+#     "torch"         rope_store_kvcache_ref         paged_attention_decode_ref, _prefill_ref
+# The references are the contract; the other two are tested equal to them.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -589,12 +596,14 @@ class BlockAllocator:
 # with its blocks, where a waiting prompt that does not fit is only left waiting (_admit).
 # A run by example (test_scheduler_runs_as_its_example): block_size 4, a pool of 5 blocks, a
 # budget of 8 tokens. A (a 10-token prompt) asks for 6 tokens, B (5 tokens) for 4.
-#   step 0     A's first chunk, 8 tokens in 2 blocks: the budget is spent, and B waits
-#   step 1     A's last 2 prompt tokens (a 3rd block) and B's whole prompt (2 blocks): both sample
-#   steps 2-3  both decode; the pool is full
+#   step 0     A's first chunk, 8 tokens in 2 blocks: the budget is spent, and B waits (3 free)
+#   step 1     A's last 2 prompt tokens (a 3rd block) and B's whole prompt (2 blocks): both
+#              sample, and the pool is full (0 free)
+#   steps 2-3  both decode in the blocks they hold (A's 3rd fills to 12 tokens, B's 2nd to 8)
 #   step 4     A needs a 4th block: B, admitted last, is preempted (its blocks freed, its computed
-#              count back to 0, first in line again), and A decodes alone
-#   steps 5-6  A decodes; step 6 samples its 6th token ("length"), and its 4 blocks are freed
+#              count back to 0, first in line again), and A decodes alone (1 free)
+#   steps 5-6  A decodes, and B waits: its 8 tokens need 2 blocks. Step 6 samples A's 6th token
+#              ("length"), and its 4 blocks are freed (5 free)
 #   step 7     B is admitted again and recomputes its 8 tokens (5 of prompt, 3 of output) in one
 #              chunk, whose last row samples its 4th token ("length")
 
@@ -870,9 +879,8 @@ class ModelRunner:
         """Each sequence's new tokens in turn, as host lists, one per buffer (block_tables as a
         numpy array). Also the rows that sample: a sequence's last, once all its tokens are
         computed (its prompt, and after a preemption its output so far)."""
-        bs, flat = self.cfg.block_size, dict(input_ids=[], positions=[], slot_mapping=[],
-                                             context_lens=[], cu_seqlens_q=[0])
-        input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = flat.values()
+        bs = self.cfg.block_size
+        input_ids, positions, slot_mapping, context_lens, cu_seqlens_q = [], [], [], [], [0]
         samples, tables = [], []   # samples: (row, seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -886,7 +894,9 @@ class ModelRunner:
             cu_seqlens_q.append(cu_seqlens_q[-1] + n)
             if end == len(seq.token_ids):   # its last input is its newest token: it samples
                 samples.append((cu_seqlens_q[-1] - 1, seq))
-        flat["block_tables"] = np.array(tables, dtype=np.int32)   # (B, width)
+        flat = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                    context_lens=context_lens, cu_seqlens_q=cu_seqlens_q,
+                    block_tables=np.array(tables, dtype=np.int32))   # (B, width)
         return flat, samples
 
     def sampling_batch(self, seqs: list, positions: list) -> SamplingBatch:
@@ -1311,9 +1321,10 @@ class LLM:
 # prompt and completion tokens. The code comes top-down: the server's handlers, the response
 # shapes they build, then the engine core's client they run choices on. One streamed chat
 # request, each step with who runs it:
-#   1. OpenAIServer.chat, the handler (event loop): read_fields checks the body, _encode
-#      tokenizes in a worker thread, and sampling_params makes n SamplingParams. _respond checks
-#      each choice (FrontEnd.validate) and returns a StreamingResponse over shape.stream.
+#   1. OpenAIServer.chat, the handler (event loop): read_fields checks the body, answer_chat
+#      renders the chat template (chat_text), _encode tokenizes in a worker thread, and
+#      sampling_params makes n SamplingParams. _respond checks each choice
+#      (FrontEnd.validate) and returns a StreamingResponse over shape.stream.
 #   2. The StreamingResponse (event loop) pulls events. A chat stream's role chunk comes first
 #      (_ChatShape.opening); the next pull starts EngineCoreClient.generate, which tracks each
 #      choice in the front end (FrontEnd.add) and puts them in `outgoing`.
@@ -1325,11 +1336,17 @@ class LLM:
 # A stream's events, by example, are above _ChatShape.
 #
 # One /v1/completions request with n = 2 and no "stream": sampling_params makes two
-# SamplingParams (seeds seed and seed + 1), and _respond pairs the prompt with each: choices 0
-# and 1. generate sends both in one list, and their two RequestStates share one queue, so the
-# states come interleaved, each with its choice's index. shape.body pulls them through
-# _until_gone and shape.chunks, and folds each chunk into the whole of its choice (_fold): text
-# joins, the finish_reason comes once. The body goes out when both choices have finished.
+# SamplingParams (with a "seed", seeds seed and seed + 1; without, both draw at random), and
+# _respond pairs the prompt with each: choices 0 and 1. generate sends both in one list, and
+# their two RequestStates share one queue, so the states come interleaved, each with its
+# choice's index. shape.body pulls them through _until_gone and shape.chunks, and folds each
+# chunk into the whole of its choice (_fold): text joins, the finish_reason comes once. The body
+# goes out when both choices have finished.
+#
+# Four async generators, each pulling the one after it: shape.stream (or, not streamed,
+# shape.body) pulls shape.chunks, which pulls _until_gone (not streamed only), which pulls
+# client.generate. Each holds the next in an `aclosing`, so when one closes, or an error rises
+# through it, it closes the next, down to generate, whose `finally` aborts what still runs.
 #
 # A client that leaves:
 #   streamed      Starlette's StreamingResponse cancels the writing. The CancelledError rises
@@ -1499,10 +1516,10 @@ class OpenAIServer:
 
 async def _until_gone(states, request: Request):
     """A body's states, until its client hangs up. Uvicorn does not cancel a handler whose client
-    left (as a StreamingResponse cancels its stream), so after each state it asks. After: the
-    caller takes a state's Delta before this awaits, or a state that finished meanwhile would
-    come again, and its finish_reason twice. Closing this closes `states`, whose `finally`
-    aborts what still runs (EngineCoreClient.generate)."""
+    left (as a StreamingResponse cancels its stream), so after each state it asks. It asks after
+    the yield, once the caller has taken the state's Delta: a state that finished while this
+    awaited is queued again, and would be read twice. Closing this closes `states`, whose
+    `finally` aborts what still runs (EngineCoreClient.generate)."""
     async with contextlib.aclosing(states):
         async for state in states:
             yield state
@@ -2390,8 +2407,9 @@ def _truncate_at_stop_string(front: FrontEnd, state: RequestState, num_old_chars
 # more prompts share, outlives its tail.
 # Extends: BlockAllocator (names, evictable blocks), Sequence (its blocks' hashes), Scheduler
 # (_admit reuses a prefix; finish names the blocks before they are freed), EngineCore (_commit
-# names the blocks each step fills; _append_token reports the prompt tokens found), RequestState
-# and FrontEnd (process: that count, num_cached_tokens, as vLLM's RequestOutput has it).
+# names the blocks each step fills; _append_token reports the prompt tokens found, on an
+# EngineCoreOutput of its own), RequestState and FrontEnd (process: that count, num_cached_tokens,
+# as vLLM's RequestOutput has it).
 
 class PrefixCachingAllocator(BlockAllocator):
     def __init__(self, num_blocks: int):

@@ -102,7 +102,8 @@ def _attend_ref(q, k, v, scale):
     """
     T, L = q.shape[0], k.shape[0]
     q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # (heads, T or L, hd)
-    # torch's is_causal puts the diagonal top-left, right only without a cached prefix.
+    # Query j sees keys 0 to L - T + j; T = 2, L = 4: [[1, 1, 1, 0], [1, 1, 1, 1]]. torch's
+    # is_causal puts the diagonal top-left, right only without a cached prefix.
     pos = torch.arange(L, device=q.device)
     mask = pos <= pos[L - T:, None] if T < L else None  # (T, L)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
