@@ -337,7 +337,8 @@ def load_weights(model: nn.Module, cfg: Config, tensors):
 # rope_store, and an attend that runs the decode function when meta.is_decode, else the prefill:
 #     cfg.attention   rope_store                     attend (decode, prefill)
 #     "triton"        rope_store_kvcache (a kernel)  paged_attention_decode, _prefill (kernels)
-#     "sdpa" (CPU)    rope_store_kvcache_ref         paged_attention_decode_sdpa, _prefill_sdpa
+#     "sdpa" (CPU)    rope_store_kvcache_ref, whose  paged_attention_decode_sdpa, _prefill_sdpa
+#                     store is store_kvcache_sdpa
 #     "torch"         rope_store_kvcache_ref         paged_attention_decode_ref, _prefill_ref
 # The references are the contract; the other two are tested equal to them.
 
@@ -599,7 +600,8 @@ class BlockAllocator:
 #   step 0     A's first chunk, 8 tokens in 2 blocks: the budget is spent, and B waits (3 free)
 #   step 1     A's last 2 prompt tokens (a 3rd block) and B's whole prompt (2 blocks): both
 #              sample, and the pool is full (0 free)
-#   steps 2-3  both decode in the blocks they hold (A's 3rd fills to 12 tokens, B's 2nd to 8)
+#   steps 2-3  both decode in the blocks they hold (after step 3, A has 12 tokens computed in
+#              its 3 blocks, B 7 in its 2)
 #   step 4     A needs a 4th block: B, admitted last, is preempted (its blocks freed, its computed
 #              count back to 0, first in line again), and A decodes alone (1 free)
 #   steps 5-6  A decodes, and B waits: its 8 tokens need 2 blocks. Step 6 samples A's 6th token
@@ -725,8 +727,7 @@ class Scheduler:
 # reads them there: the forward pass's inputs take no new device memory, and always sit at the
 # same addresses. The calls, per step: launch -> prepare (_flatten the batch into host lists;
 # _put_input_ids and put_step copy them into the buffers) -> forward -> head (the LM head's
-# logits); then sample -> draw
-# -> copy_to_host, which EngineCore._read_back waits for. Before any step, __init__ sizes the KV
+# logits); then sample -> draw -> copy_to_host, which EngineCore._read_back waits for. Before any step, __init__ sizes the KV
 # pool (allocate_kv_cache: on the GPU, what profile_peak_bytes leaves).
 # Three CUDA words. Pinned memory is host memory the GPU can copy to and from directly. A
 # non_blocking copy between it and the GPU is queued on the stream, and the host goes on at
@@ -1343,13 +1344,15 @@ class LLM:
 # chunk into the whole of its choice (_fold): text joins, the finish_reason comes once. The body
 # goes out when both choices have finished.
 #
-# Four async generators, each pulling the one after it: shape.stream (or, not streamed,
-# shape.body) pulls shape.chunks, which pulls _until_gone (not streamed only), which pulls
-# client.generate. Each holds the next in an `aclosing`, so when one closes, or an error rises
-# through it, it closes the next, down to generate, whose `finally` aborts what still runs.
+# Async generators pull each other: streamed, shape.stream pulls shape.chunks, which pulls
+# client.generate; not streamed, the coroutine shape.body pulls shape.chunks, which pulls
+# _until_gone, which pulls generate. Each holds the one it pulls in an `aclosing`, so when one
+# closes, or an error rises through it, it closes the next, down to generate, whose `finally`
+# aborts what still runs.
 #
 # A client that leaves:
-#   streamed      Starlette's StreamingResponse cancels the writing. The CancelledError rises
+#   streamed      Starlette's StreamingResponse, which under uvicorn listens for the client's
+#                 disconnect message beside its writing, cancels the writing. The CancelledError rises
 #                 where it waits (most often at generate's queue), through shape.stream and
 #                 shape.chunks, and closes each generator on the way.
 #   not streamed  No one cancels a handler: _until_gone asks after each state, and raises a 499
@@ -1516,10 +1519,9 @@ class OpenAIServer:
 
 async def _until_gone(states, request: Request):
     """A body's states, until its client hangs up. Uvicorn does not cancel a handler whose client
-    left (as a StreamingResponse cancels its stream), so after each state it asks. It asks after
-    the yield, once the caller has taken the state's Delta: a state that finished while this
-    awaited is queued again, and would be read twice. Closing this closes `states`, whose
-    `finally` aborts what still runs (EngineCoreClient.generate)."""
+    left (as a StreamingResponse cancels its stream), so after each state it asks: after the
+    yield, once the caller has taken the state's Delta (generate says why). Closing this closes
+    `states`, whose `finally` aborts what still runs (EngineCoreClient.generate)."""
     async with contextlib.aclosing(states):
         async for state in states:
             yield state
@@ -1742,8 +1744,12 @@ class EngineCoreClient:
         """Run one HTTP request's choices, (prompt_ids, SamplingParams) each; yield a choice's
         RequestState at each change until all finish. However the caller stops (done, client
         gone, error), `finally` aborts what still runs: its KV blocks free before the next step.
-        An async generator, it runs nothing until its caller pulls the first state. The caller
-        takes each state's Delta before it awaits: a state that changes meanwhile comes again."""
+        An async generator, it runs nothing until its caller pulls the first state.
+        Each change puts the state object itself on `changed` again (_deliver); once one comes
+        finished, its later comings are dropped. So the caller takes a state's Delta before it
+        awaits anything. Otherwise: S comes running -> the caller awaits -> S finishes and is
+        queued again -> the caller's Delta holds the finish -> S comes again, finished, and its
+        finish_reason is sent twice."""
         changed = asyncio.Queue()                         # RequestStates of this request's choices
         requests = [self.front.add(ids, p, index=i, queue=changed)
                     for i, (ids, p) in enumerate(requests)]
