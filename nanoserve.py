@@ -4,7 +4,7 @@ This file serves Llama, Qwen3, Qwen2.5 and Mistral models the way the big engine
 cache with a block allocator and prefix caching, a continuous-batching scheduler that mixes chunked
 prefills and decodes in one step (at a burst of prompts, decodes sit out three steps of four),
 batched sampling with grammars, each step replayed as one CUDA graph, and an OpenAI-compatible
-server with SSE streaming. The kernels live in paged_attention.py. Part one took 272 minutes in the
+server with SSE streaming. The kernels live in paged_attention.py. Part one took 254 minutes in the
 last timed read (README.md's reading path), the chapters about 280.
 
 Left out on purpose: pipeline parallelism, quantization other than fp8 weights and an fp8 KV
